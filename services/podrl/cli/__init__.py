@@ -1,0 +1,1 @@
+"""The ``podrl`` command: local launcher, status and run tools."""

@@ -1,0 +1,172 @@
+"""One worker pod plus a controller as local processes on loopback (what `podrl up` runs)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from podrl.cli.ports import free_ports
+from podrl.cli.probes import grpc_health, http_ready
+from podrl.config import RunConfig
+
+SERVICES = ("controller", "generator", "grader", "trainer")
+WORKER_ID = "local-0"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the launcher dies (even by SIGKILL), the kernel sends
+    the child SIGTERM, so no service outlives `podrl up`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ChildExitedError(RuntimeError):
+    """A service process ended while it should be running."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        super().__init__(f"{child.name} (pid {child.process.pid}) {child.exit_description()}")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    grpc_address: str
+
+    @property
+    def grpc_service(self) -> str:
+        return f"podrl.v1.{self.name.capitalize()}"
+
+    def exit_description(self) -> str:
+        code = self.process.returncode
+        if code is None:
+            return "is running"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+class LocalCluster:
+    """Starts the four services with free ports, watches them, stops them all."""
+
+    def __init__(self, config: RunConfig, config_path: str | None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.children: list[Child] = []
+        host = "127.0.0.1"
+        ports = free_ports(7, host)
+        self.overrides = {
+            "PODRL_WORKER_ID": WORKER_ID,
+            "PODRL_CONTROLLER__GRPC_PORT": str(ports[0]),
+            "PODRL_CONTROLLER__HTTP_PORT": str(ports[1]),
+            "PODRL_GENERATOR__GRPC_PORT": str(ports[2]),
+            "PODRL_GENERATOR__METRICS_PORT": str(ports[3]),
+            "PODRL_GRADER__GRPC_PORT": str(ports[4]),
+            "PODRL_GRADER__METRICS_PORT": str(ports[5]),
+            "PODRL_TRAINER__GRPC_PORT": str(ports[6]),
+            "PODRL_TRAINER__METRICS_PORT": "0",
+        }
+        for name in SERVICES:
+            self.overrides[f"PODRL_{name.upper()}__BIND_HOST"] = host
+            self.overrides[f"PODRL_{name.upper()}__ADVERTISE_HOST"] = host
+        self.host = host
+        self.ports = ports
+        self.log_dir = config.run_dir / "logs"
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://{self.host}:{self.ports[1]}"
+
+    def urls(self) -> dict[str, str]:
+        return {
+            "controller REST": self.rest_url,
+            "dashboard / API docs": f"{self.rest_url}/docs",
+            "controller gRPC": f"{self.host}:{self.ports[0]}",
+            "generator gRPC": f"{self.host}:{self.ports[2]}",
+            "generator metrics": f"http://{self.host}:{self.ports[3]}/metrics",
+            "grader gRPC": f"{self.host}:{self.ports[4]}",
+            "grader metrics": f"http://{self.host}:{self.ports[5]}/metrics",
+            "trainer gRPC": f"{self.host}:{self.ports[6]}",
+        }
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.overrides}
+        addresses = {
+            "controller": self.ports[0],
+            "generator": self.ports[2],
+            "grader": self.ports[4],
+            "trainer": self.ports[6],
+        }
+        for name in SERVICES:
+            cmd = [sys.executable, "-m", f"podrl.{name}"]
+            if self.config_path:
+                cmd += ["--config", self.config_path]
+            log_path = self.log_dir / f"{name}.log"
+            with open(log_path, "ab") as log_file:
+                process = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops in order
+                    preexec_fn=_die_with_parent,
+                )
+            self.children.append(Child(name, process, log_path, f"{self.host}:{addresses[name]}"))
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                raise ChildExitedError(child)
+
+    def wait_ready(self, timeout: float, should_stop: callable = lambda: False) -> bool:
+        """Wait until every service is SERVING and the controller is ready.
+
+        Returns False if ``should_stop()`` became true first;
+        raises ChildExitedError or TimeoutError.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if should_stop():
+                return False
+            self.check_alive()
+            serving = all(
+                grpc_health(c.grpc_address, c.grpc_service, timeout=1.0) == "SERVING"
+                for c in self.children
+            )
+            if serving and http_ready(f"{self.rest_url}/readyz", timeout=1.0):
+                return True
+            time.sleep(0.2)
+        raise TimeoutError(f"services not ready after {timeout:.0f}s; logs in {self.log_dir}")
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM the workers, then the controller (so drains reach it); SIGKILL stragglers."""
+        workers = [c for c in self.children if c.name != "controller"]
+        controller = [c for c in self.children if c.name == "controller"]
+        for group in (workers, controller):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for child in group:
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()

@@ -1,0 +1,131 @@
+"""``podrl`` command line: ``up`` (local cluster), ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from podrl.cli.local_cluster import ChildExitedError, LocalCluster
+from podrl.cli.probes import grpc_health
+from podrl.cli.status_table import render_status
+from podrl.config import ConfigError, load_config
+
+console = Console(stderr=False)
+
+
+def _self_check(cluster: LocalCluster) -> bool:
+    """Probe every service the way Kubernetes and a user would; print a table of results."""
+    table = Table(title="self-check")
+    table.add_column("check")
+    table.add_column("result")
+    ok = True
+
+    def record(name: str, passed: bool, detail: str) -> None:
+        nonlocal ok
+        ok &= passed
+        table.add_row(name, f"[green]ok[/] {detail}" if passed else f"[red]FAIL[/] {detail}")
+
+    for child in cluster.children:
+        for service in ("", child.grpc_service):
+            status = grpc_health(child.grpc_address, service)
+            record(f"{child.name} health '{service}'", status == "SERVING", status)
+    status = grpc_health(cluster.children[0].grpc_address, "podrl.v1.NoSuchService")
+    record("unknown service name", status == "NOT_FOUND", status)
+    body = httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
+    healthy = [w for w in body["workers"] if w["healthy"]]
+    record("controller /v1/status", body["ready"] and len(healthy) == 3, f"{len(healthy)} healthy")
+    metrics = httpx.get(f"{cluster.rest_url}/metrics", timeout=5).text
+    families = list(text_string_to_metric_families(metrics))
+    record("controller /metrics", bool(families), f"{len(families)} metric families")
+    console.print(table)
+    return ok
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"podrl up: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    cluster = LocalCluster(config, args.config)
+    grace = config.grpc.shutdown_grace_seconds + 5
+    try:
+        cluster.start()
+        console.print(
+            f"starting controller, generator, grader, trainer (logs in {cluster.log_dir})"
+        )
+        if not cluster.wait_ready(args.startup_timeout, stop.is_set):
+            return 0
+        urls = Table(title="podrl is up", show_header=False)
+        for name, url in cluster.urls().items():
+            urls.add_row(name, url)
+        console.print(urls)
+        console.print(f"status: podrl status --url {cluster.rest_url}")
+        if args.self_check:
+            return 0 if _self_check(cluster) else 1
+        while not stop.wait(0.5):
+            cluster.check_alive()
+        console.print("stopping")
+        return 0
+    except ChildExitedError as err:
+        console.print(f"[red]podrl up: {err}[/]; stopping the others")
+        tail = err.child.log_tail()
+        if tail:
+            console.print(f"last lines of {err.child.log_path}:\n{tail}", markup=False)
+        return 1
+    except TimeoutError as err:
+        console.print(f"[red]podrl up: {err}[/]")
+        return 1
+    finally:
+        cluster.stop(grace)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        reply = httpx.get(f"{args.url.rstrip('/')}/v1/status", timeout=args.timeout)
+        reply.raise_for_status()
+    except httpx.HTTPError as err:
+        print(f"podrl status: cannot read {args.url}/v1/status: {err}", file=sys.stderr)
+        return 1
+    render_status(reply.json(), console)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="podrl", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="run controller, generator, grader and trainer locally")
+    up.add_argument("--config", help="run config YAML (default: built-in defaults)")
+    up.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for health"
+    )
+    up.add_argument("--self-check", action="store_true", help="probe every service once, then stop")
+    up.set_defaults(func=cmd_up)
+
+    status = commands.add_parser("status", help="print a controller's run status")
+    status.add_argument(
+        "--url",
+        default=os.environ.get("PODRL_URL", "http://127.0.0.1:8080"),
+        help="controller REST URL (default: $PODRL_URL or http://127.0.0.1:8080)",
+    )
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,37 @@
+"""Render the controller's /v1/status as rich tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def render_status(status: dict[str, Any], console: Console) -> None:
+    run = Table(title=f"podrl run {status['run_name']}", show_header=False)
+    run.add_column("field", style="bold")
+    run.add_column("value")
+    run.add_row("phase", str(status["phase"]))
+    run.add_row("ready", "yes" if status["ready"] else "no")
+    run.add_row("step", str(status["step"]))
+    run.add_row("policy version", str(status["policy_version"]))
+    run.add_row("healthy pods", ", ".join(status["healthy_pods"]) or "-")
+    run.add_row("uptime", f"{status['uptime_seconds']:.0f} s")
+    for phase, seconds in status.get("phase_seconds", {}).items():
+        run.add_row(f"last {phase}", f"{seconds:.2f} s")
+    console.print(run)
+
+    workers = Table(title="workers")
+    for column in ("worker", "component", "address", "state", "healthy", "last heartbeat"):
+        workers.add_column(column)
+    for w in status["workers"]:
+        workers.add_row(
+            w["worker_id"],
+            w["component"],
+            w["address"],
+            w["state"],
+            "[green]yes[/]" if w["healthy"] else "[red]no[/]",
+            f"{w['seconds_since_heartbeat']:.1f} s ago",
+        )
+    console.print(workers)

@@ -1,0 +1,1 @@
+"""Plumbing every service shares: logs, gRPC server/client setup, metrics, process lifecycle."""

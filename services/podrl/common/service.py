@@ -1,0 +1,233 @@
+"""The process lifecycle every podrl service shares.
+
+start: parse ``--config``, validate the run config once, set up logs, start the gRPC server
+(with ``grpc.health.v1`` for "" and the service's own name, reflection, bounded message sizes,
+metrics), start side servers (Prometheus, REST), register with the controller.
+
+stop (SIGTERM or SIGINT): health → NOT_SERVING, tell the controller we are draining, let
+in-flight RPCs finish within ``grpc.shutdown_grace_seconds``, stop side servers, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+import podrl
+from podrl.common.grpc_options import channel_options
+from podrl.common.logs import setup_logging
+from podrl.common.membership import MembershipClient
+from podrl.common.metrics import SERVICE_UP, MetricsInterceptor
+from podrl.config import ConfigError, RunConfig, load_config
+from podrl.config.models import _ServiceSection
+from podrl.v1 import common_pb2, controller_pb2
+
+log = logging.getLogger(__name__)
+
+
+class SideServer(Protocol):
+    """Something that runs beside the gRPC server (a metrics or REST endpoint)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class PrometheusServer:
+    """prometheus_client's own HTTP exporter on ``port`` (0 = disabled)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self._server = None
+
+    def start(self) -> None:
+        if self._port:
+            self._server, _ = start_http_server(self._port, addr=self._host)
+            log.info("metrics on http://%s:%d/metrics", self._host, self._port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+@dataclass
+class ServiceSpec:
+    """What distinguishes one service from another; everything else is shared."""
+
+    name: str
+    """Short name: controller, generator, grader or trainer."""
+    grpc_service: str
+    """Fully qualified gRPC service name (health checks accept it)."""
+    section: _ServiceSection
+    add_servicers: Callable[[grpc.Server], None]
+    component: int | None = None
+    """controller_pb2.Component to register as; None for the controller itself."""
+    details: dict[str, str] = field(default_factory=dict)
+    side_servers: list[SideServer] = field(default_factory=list)
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    """Run after the gRPC server stopped (release engines, shared memory, ...)."""
+
+
+class ServiceProcess:
+    """Runs one ServiceSpec until a stop signal; see the module docstring."""
+
+    def __init__(self, spec: ServiceSpec, config: RunConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.stopping = threading.Event()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.grpc.max_workers, thread_name_prefix=f"{spec.name}-rpc"
+            ),
+            interceptors=[MetricsInterceptor()],
+            options=channel_options(config.grpc),
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        spec.add_servicers(self.server)
+        reflection.enable_server_reflection(
+            (
+                spec.grpc_service,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.membership: MembershipClient | None = None
+
+    def _set_serving(self, status: int) -> None:
+        for name in ("", self.spec.grpc_service):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        section = self.spec.section
+        bind = f"{section.bind_host}:{section.grpc_port}"
+        try:
+            bound = self.server.add_insecure_port(bind)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise ConfigError(
+                f"{self.spec.name}.grpc_port: cannot listen on {bind} (port in use or host not "
+                f"local); choose another port with PODRL_{self.spec.name.upper()}__GRPC_PORT"
+            )
+        for side in self.spec.side_servers:
+            side.start()
+        self.server.start()
+        self._set_serving(health_pb2.HealthCheckResponse.SERVING)
+        SERVICE_UP.labels(self.spec.name, self.config.worker_id).set(1)
+        log.info("%s serving gRPC on %s", self.spec.name, bind)
+        if self.spec.component is not None:
+            info = common_pb2.ServiceInfo(
+                service=self.spec.grpc_service,
+                version=podrl.__version__,
+                worker_id=self.config.worker_id,
+                details=self.spec.details,
+            )
+            self.membership = MembershipClient(
+                self.config, self.spec.component, section.address, info
+            )
+            self.membership.start()
+
+    def shutdown(self, reason: str = "SIGTERM") -> None:
+        log.info("%s shutting down (%s): NOT_SERVING, draining", self.spec.name, reason)
+        self.health.enter_graceful_shutdown()
+        SERVICE_UP.labels(self.spec.name, self.config.worker_id).set(0)
+        if self.membership is not None:
+            self.membership.drain(reason)
+        self.server.stop(grace=self.config.grpc.shutdown_grace_seconds).wait()
+        if self.membership is not None:
+            self.membership.close()
+        for side in reversed(self.spec.side_servers):
+            side.stop()
+        for hook in self.spec.on_close:
+            try:
+                hook()
+            except Exception:  # a failing cleanup must not block the others
+                log.exception("cleanup hook failed")
+        log.info("%s stopped", self.spec.name)
+
+    def run_until_signalled(self) -> int:
+        received: list[str] = []
+
+        def on_signal(signum: int, _frame: object) -> None:
+            received.append(signal.Signals(signum).name)
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.start()
+        self.stopping.wait()
+        self.shutdown(received[0] if received else "stop requested")
+        return 0
+
+
+_WORKER_COMPONENTS = {
+    "generator": controller_pb2.COMPONENT_GENERATOR,
+    "grader": controller_pb2.COMPONENT_GRADER,
+    "trainer": controller_pb2.COMPONENT_TRAINER,
+}
+
+
+def worker_spec(
+    name: str,
+    config: RunConfig,
+    servicer: object,
+    add_servicer: Callable[[object, grpc.Server], None],
+    on_close: Sequence[Callable[[], None]] = (),
+) -> ServiceSpec:
+    """The spec of a worker-pod service: registers with the controller, exports Prometheus."""
+    section = getattr(config, name)
+    return ServiceSpec(
+        name=name,
+        grpc_service=f"podrl.v1.{name.capitalize()}",
+        section=section,
+        component=_WORKER_COMPONENTS[name],
+        add_servicers=lambda server: add_servicer(servicer, server),
+        side_servers=[PrometheusServer(section.bind_host, section.metrics_port)],
+        on_close=list(on_close),
+    )
+
+
+def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
+    """``podrl-<name> [--config FILE]`` → validated RunConfig (exits 2 on a bad config)."""
+    parser = argparse.ArgumentParser(
+        prog=f"podrl-{name}",
+        description=f"Run the podrl {name} service. Every config field can also be set as "
+        "PODRL_<SECTION>__<FIELD> in the environment.",
+    )
+    parser.add_argument("--config", help="run config YAML (default: $PODRL_CONFIG or built-ins)")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(args.config)
+    except ConfigError as err:
+        print(f"podrl-{name}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def serve(
+    name: str, build_spec: Callable[[RunConfig], ServiceSpec], argv: Sequence[str] | None
+) -> int:
+    """Entry point body shared by every ``podrl-<service>`` command."""
+    config = parse_service_args(name, argv)
+    setup_logging(config.log, name, config.worker_id)
+    try:
+        process = ServiceProcess(build_spec(config), config)
+        return process.run_until_signalled()
+    except ConfigError as err:
+        log.error("%s", err)
+        print(f"podrl-{name}: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,107 @@
+"""Load a RunConfig from YAML plus ``PODRL_*`` environment overrides, validated once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from podrl.config.models import RunConfig
+
+ENV_PREFIX = "PODRL_"
+ENV_NESTING = "__"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad field and the fix."""
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``PODRL_GENERATOR__GRPC_PORT=6000`` → ``{"generator": {"grpc_port": "6000"}}``.
+
+    Values stay strings (pydantic converts them) unless they are JSON lists/objects.
+    """
+    overrides: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == "PODRL_CONFIG":
+            continue
+        path = [part.lower() for part in key[len(ENV_PREFIX) :].split(ENV_NESTING)]
+        value: Any = raw
+        if raw[:1] in "[{":
+            with contextlib.suppress(json.JSONDecodeError):
+                value = json.loads(raw)
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {key} conflicts with another override")
+        node[path[-1]] = value
+    return overrides
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for problem in err.errors():
+        field = ".".join(str(part) for part in problem["loc"]) or "<root>"
+        env_name = ENV_PREFIX + ENV_NESTING.join(str(p).upper() for p in problem["loc"])
+        got = problem.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        hint = (
+            "remove it (unknown field; check the spelling)"
+            if problem["type"] == "extra_forbidden"
+            else f"set it in the YAML file or as {env_name}"
+        )
+        lines.append(f"  {field}: {problem['msg']}{got_text}; {hint}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Read ``path`` (YAML; optional), apply ``PODRL_*`` overrides from ``env`` and validate.
+
+    ``env`` defaults to ``os.environ``; ``PODRL_CONFIG`` names the file when ``path`` is None.
+    Raises ConfigError with one line per bad field.
+    """
+    env = os.environ if env is None else env
+    path = path if path is not None else env.get("PODRL_CONFIG")
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        file = Path(path)
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {file} must hold a mapping, not {type(loaded).__name__}"
+            )
+        data = loaded
+        source = str(file)
+    overrides = _env_overrides(env)
+    if overrides:
+        source += " + PODRL_* environment"
+    try:
+        return RunConfig.model_validate(_deep_merge(data, overrides))
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None

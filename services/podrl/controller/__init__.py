@@ -1,0 +1,1 @@
+"""The controller service: run loop, membership, REST status and metrics."""

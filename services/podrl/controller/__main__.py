@@ -1,0 +1,3 @@
+from podrl.controller.main import main
+
+raise SystemExit(main())

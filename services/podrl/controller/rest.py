@@ -1,0 +1,50 @@
+"""REST API of the controller (FastAPI): probes, status, workers, Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import podrl
+from podrl.controller.status import RunState, RunStatusView, WorkerView
+
+
+def build_rest_app(state: RunState) -> FastAPI:
+    app = FastAPI(
+        title="podrl controller",
+        version=podrl.__version__,
+        description="Status of a podrl run: probes, run status, workers and metrics.",
+    )
+
+    @app.get("/healthz", summary="Liveness: the controller process is up.")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/readyz",
+        summary="Readiness: enough complete, healthy worker pods are registered.",
+        responses={503: {"description": "Not ready; the body says what is missing."}},
+    )
+    def readyz() -> JSONResponse:
+        view = state.view()
+        body = {
+            "ready": view.ready,
+            "healthy_pods": view.healthy_pods,
+            "min_worker_pods": state.min_worker_pods,
+        }
+        return JSONResponse(body, status_code=200 if view.ready else 503)
+
+    @app.get("/v1/status", response_model=RunStatusView, summary="The run's status.")
+    def status() -> RunStatusView:
+        return state.view()
+
+    @app.get("/v1/workers", response_model=list[WorkerView], summary="Registered processes.")
+    def workers() -> list[WorkerView]:
+        return state.view().workers
+
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format).")
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,95 @@
+"""The run's status: one model served as REST JSON and as the gRPC RunStatus message."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pydantic import BaseModel, Field
+
+from podrl.controller.membership import MemberRegistry
+from podrl.v1 import controller_pb2
+
+_COMPONENT_BY_NAME = {"generator": 1, "grader": 2, "trainer": 3}
+_STATE_BY_NAME = {"starting": 1, "serving": 2, "draining": 3, "gone": 4}
+
+
+class WorkerView(BaseModel):
+    worker_id: str = Field(description="Worker pod the process belongs to.")
+    component: str = Field(description="generator, grader or trainer.")
+    address: str = Field(description="host:port of its gRPC server.")
+    state: str = Field(description="starting, serving, draining or gone.")
+    healthy: bool = Field(description="Serving and heard from within the heartbeat timeout.")
+    seconds_since_heartbeat: float
+    policy_version: int
+
+
+class RunStatusView(BaseModel):
+    run_name: str
+    phase: str = Field(description="waiting_for_workers, idle, generate, score, train, sync, ...")
+    step: int
+    policy_version: int
+    ready: bool = Field(description="Enough complete, healthy worker pods to run a step.")
+    healthy_pods: list[str]
+    workers: list[WorkerView]
+    phase_seconds: dict[str, float] = Field(description="Phase durations of the last step.")
+    uptime_seconds: float
+
+
+class RunState:
+    """What the controller knows about the run; the loop updates it, status pages read it."""
+
+    def __init__(self, run_name: str, registry: MemberRegistry, min_worker_pods: int) -> None:
+        self.run_name = run_name
+        self.registry = registry
+        self.min_worker_pods = min_worker_pods
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self.step = 0
+        self.policy_version = 0
+        self.phase = "idle"
+        self.phase_seconds: dict[str, float] = {}
+
+    def is_ready(self) -> bool:
+        return len(self.registry.healthy_pods()) >= self.min_worker_pods
+
+    def view(self) -> RunStatusView:
+        pods = self.registry.healthy_pods()
+        ready = len(pods) >= self.min_worker_pods
+        with self._lock:
+            phase = self.phase if ready else "waiting_for_workers"
+            return RunStatusView(
+                run_name=self.run_name,
+                phase=phase,
+                step=self.step,
+                policy_version=self.policy_version,
+                ready=ready,
+                healthy_pods=pods,
+                workers=[WorkerView(**vars(m)) for m in self.registry.members()],
+                phase_seconds=dict(self.phase_seconds),
+                uptime_seconds=round(time.monotonic() - self.started, 3),
+            )
+
+
+def status_to_proto(view: RunStatusView) -> controller_pb2.RunStatus:
+    return controller_pb2.RunStatus(
+        run_name=view.run_name,
+        phase=view.phase,
+        step=view.step,
+        policy_version=view.policy_version,
+        ready=view.ready,
+        workers=[
+            controller_pb2.WorkerStatus(
+                worker_id=w.worker_id,
+                component=_COMPONENT_BY_NAME.get(w.component, 0),
+                address=w.address,
+                state=_STATE_BY_NAME.get(w.state, 0),
+                healthy=w.healthy,
+                seconds_since_heartbeat=w.seconds_since_heartbeat,
+                policy_version=w.policy_version,
+            )
+            for w in view.workers
+        ],
+        phase_seconds=view.phase_seconds,
+        uptime_seconds=view.uptime_seconds,
+    )

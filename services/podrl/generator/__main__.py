@@ -1,0 +1,3 @@
+from podrl.generator.main import main
+
+raise SystemExit(main())

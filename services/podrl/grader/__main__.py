@@ -1,0 +1,3 @@
+from podrl.grader.main import main
+
+raise SystemExit(main())

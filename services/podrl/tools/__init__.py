@@ -1,0 +1,1 @@
+"""Developer tools (code generation); not needed at run time."""

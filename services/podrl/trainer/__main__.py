@@ -1,0 +1,3 @@
+from podrl.trainer.main import main
+
+raise SystemExit(main())
