@@ -103,6 +103,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from podrl.models.tiny import TinyModelSpec, make_tiny_model  # needs torch: import late
+
+    spec = TinyModelSpec(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        seed=args.seed,
+    )
+    out = make_tiny_model(args.out_dir, spec)
+    console.print(f"wrote tiny Qwen3 ({spec.num_layers} layers x {spec.hidden_size}) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="podrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=cmd_status)
+
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a random-init tiny Qwen3 + char tokenizer (HF folder)"
+    )
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=128)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny_model)
     return parser
 
 

@@ -31,7 +31,7 @@ from podrl.common.logs import setup_logging
 from podrl.common.membership import MembershipClient
 from podrl.common.metrics import SERVICE_UP, MetricsInterceptor
 from podrl.config import ConfigError, RunConfig, load_config
-from podrl.config.models import _ServiceSection
+from podrl.config.base import ServiceSection
 from podrl.v1 import common_pb2, controller_pb2
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class ServiceSpec:
     """Short name: controller, generator, grader or trainer."""
     grpc_service: str
     """Fully qualified gRPC service name (health checks accept it)."""
-    section: _ServiceSection
+    section: ServiceSection
     add_servicers: Callable[[grpc.Server], None]
     component: int | None = None
     """controller_pb2.Component to register as; None for the controller itself."""

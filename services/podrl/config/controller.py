@@ -1,0 +1,26 @@
+"""Controller section of the run config."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from podrl.config.base import ServiceSection
+
+
+class ControllerConfig(ServiceSection):
+    """The controller: run loop, membership, REST status."""
+
+    grpc_port: int = Field(50050, ge=1, le=65535, description="gRPC port (Register, Heartbeat).")
+    metrics_port: int = Field(
+        0, ge=0, le=0, description="Unused: the controller serves /metrics on its REST port."
+    )
+    http_port: int = Field(8080, ge=1, le=65535, description="REST API, dashboard and /metrics.")
+    heartbeat_interval_seconds: float = Field(
+        2.0, gt=0, le=60, description="How often each registered process sends a heartbeat."
+    )
+    heartbeat_timeout_seconds: float = Field(
+        10.0, gt=0, description="A process silent for this long is reported unhealthy."
+    )
+    min_worker_pods: int = Field(
+        1, ge=0, description="/readyz answers 200 once this many complete worker pods are healthy."
+    )

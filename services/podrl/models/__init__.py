@@ -1,0 +1,1 @@
+"""Model helpers shared by trainer and generator (needs torch and transformers)."""
