@@ -72,6 +72,8 @@ class LocalCluster:
         ports = free_ports(7, host)
         self.overrides = {
             "PODRL_WORKER_ID": WORKER_ID,
+            # The launcher resolved the run dir; children must agree on it.
+            "PODRL_RUN_DIR": str(config.run_dir),
             "PODRL_CONTROLLER__GRPC_PORT": str(ports[0]),
             "PODRL_CONTROLLER__HTTP_PORT": str(ports[1]),
             "PODRL_GENERATOR__GRPC_PORT": str(ports[2]),

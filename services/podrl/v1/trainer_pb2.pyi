@@ -167,3 +167,19 @@ class TrainerInfo(_message.Message):
     world_size: int
     mesh: MeshInfo
     def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ...) -> None: ...
+
+class RankCommand(_message.Message):
+    __slots__ = ("name", "payload")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    payload: bytes
+    def __init__(self, name: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class RankReply(_message.Message):
+    __slots__ = ("error", "payload")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    payload: bytes
+    def __init__(self, error: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...

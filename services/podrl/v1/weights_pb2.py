@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/weights.proto\x12\x08podrl.v1\"S\n\x04Mesh\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12)\n\x0b\x64\x65vice_type\x18\x03 \x01(\x0e\x32\x14.podrl.v1.DeviceType\"\x1d\n\x0eShardPlacement\x12\x0b\n\x03\x64im\x18\x01 \x01(\x05\"\x14\n\x12ReplicatePlacement\"%\n\x10PartialPlacement\x12\x11\n\treduce_op\x18\x01 \x01(\t\"\xa0\x01\n\tPlacement\x12)\n\x05shard\x18\x01 \x01(\x0b\x32\x18.podrl.v1.ShardPlacementH\x00\x12\x31\n\treplicate\x18\x02 \x01(\x0b\x32\x1c.podrl.v1.ReplicatePlacementH\x00\x12-\n\x07partial\x18\x03 \x01(\x0b\x32\x1a.podrl.v1.PartialPlacementH\x00\x42\x06\n\x04kind\"\x85\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x19\n\x11\x61llocation_nbytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\"9\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"h\n\rTensorStorage\x12+\n\x08\x63uda_ipc\x18\x01 \x01(\x0b\x32\x17.podrl.v1.CudaIpcHandleH\x00\x12\"\n\x03shm\x18\x02 \x01(\x0b\x32\x13.podrl.v1.ShmHandleH\x00\x42\x06\n\x04kind\"\x96\x02\n\x0bTensorShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.podrl.v1.DType\x12\x14\n\x0cglobal_shape\x18\x03 \x03(\x03\x12\x13\n\x0blocal_shape\x18\x04 \x03(\x03\x12\x14\n\x0clocal_offset\x18\x05 \x03(\x03\x12\x0e\n\x06stride\x18\x06 \x03(\x03\x12\x1c\n\x04mesh\x18\x07 \x01(\x0b\x32\x0e.podrl.v1.Mesh\x12\x17\n\x0fmesh_coordinate\x18\x08 \x03(\x03\x12\'\n\nplacements\x18\t \x03(\x0b\x32\x13.podrl.v1.Placement\x12(\n\x07storage\x18\n \x01(\x0b\x32\x17.podrl.v1.TensorStorage\"\x8f\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12%\n\x06shards\x18\x03 \x03(\x0b\x32\x15.podrl.v1.TensorShard\x12\x14\n\x0cversion_only\x18\x04 \x01(\x08\x12\x14\n\x0cpublisher_id\x18\x05 \x01(\t*\xff\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x0b\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x0c*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/weights.proto\x12\x08podrl.v1\"S\n\x04Mesh\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12)\n\x0b\x64\x65vice_type\x18\x03 \x01(\x0e\x32\x14.podrl.v1.DeviceType\"3\n\x0eShardPlacement\x12\x0b\n\x03\x64im\x18\x01 \x01(\x05\x12\x14\n\x0csplit_factor\x18\x02 \x01(\x05\"\x14\n\x12ReplicatePlacement\"%\n\x10PartialPlacement\x12\x11\n\treduce_op\x18\x01 \x01(\t\"\xa0\x01\n\tPlacement\x12)\n\x05shard\x18\x01 \x01(\x0b\x32\x18.podrl.v1.ShardPlacementH\x00\x12\x31\n\treplicate\x18\x02 \x01(\x0b\x32\x1c.podrl.v1.ReplicatePlacementH\x00\x12-\n\x07partial\x18\x03 \x01(\x0b\x32\x1a.podrl.v1.PartialPlacementH\x00\x42\x06\n\x04kind\"\xf1\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x19\n\x11\x61llocation_nbytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x08 \x01(\x04\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12\x15\n\rtensor_offset\x18\n \x01(\x04\"9\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"h\n\rTensorStorage\x12+\n\x08\x63uda_ipc\x18\x01 \x01(\x0b\x32\x17.podrl.v1.CudaIpcHandleH\x00\x12\"\n\x03shm\x18\x02 \x01(\x0b\x32\x13.podrl.v1.ShmHandleH\x00\x42\x06\n\x04kind\"\xae\x02\n\x0bTensorShard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.podrl.v1.DType\x12\x14\n\x0cglobal_shape\x18\x03 \x03(\x03\x12\x13\n\x0blocal_shape\x18\x04 \x03(\x03\x12\x14\n\x0clocal_offset\x18\x05 \x03(\x03\x12\x0e\n\x06stride\x18\x06 \x03(\x03\x12\x1c\n\x04mesh\x18\x07 \x01(\x0b\x32\x0e.podrl.v1.Mesh\x12\x17\n\x0fmesh_coordinate\x18\x08 \x03(\x03\x12\'\n\nplacements\x18\t \x03(\x0b\x32\x13.podrl.v1.Placement\x12(\n\x07storage\x18\n \x01(\x0b\x32\x17.podrl.v1.TensorStorage\x12\x16\n\x0epublisher_rank\x18\x0b \x01(\x05\"\x8f\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12%\n\x06shards\x18\x03 \x03(\x0b\x32\x15.podrl.v1.TensorShard\x12\x14\n\x0cversion_only\x18\x04 \x01(\x08\x12\x14\n\x0cpublisher_id\x18\x05 \x01(\t*\xff\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x0b\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x0c*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'podrl.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1105
-  _globals['_DTYPE']._serialized_end=1360
-  _globals['_DEVICETYPE']._serialized_start=1362
-  _globals['_DEVICETYPE']._serialized_end=1446
+  _globals['_DTYPE']._serialized_start=1259
+  _globals['_DTYPE']._serialized_end=1514
+  _globals['_DEVICETYPE']._serialized_start=1516
+  _globals['_DEVICETYPE']._serialized_end=1600
   _globals['_MESH']._serialized_start=36
   _globals['_MESH']._serialized_end=119
   _globals['_SHARDPLACEMENT']._serialized_start=121
-  _globals['_SHARDPLACEMENT']._serialized_end=150
-  _globals['_REPLICATEPLACEMENT']._serialized_start=152
-  _globals['_REPLICATEPLACEMENT']._serialized_end=172
-  _globals['_PARTIALPLACEMENT']._serialized_start=174
-  _globals['_PARTIALPLACEMENT']._serialized_end=211
-  _globals['_PLACEMENT']._serialized_start=214
-  _globals['_PLACEMENT']._serialized_end=374
-  _globals['_CUDAIPCHANDLE']._serialized_start=377
-  _globals['_CUDAIPCHANDLE']._serialized_end=510
-  _globals['_SHMHANDLE']._serialized_start=512
-  _globals['_SHMHANDLE']._serialized_end=569
-  _globals['_TENSORSTORAGE']._serialized_start=571
-  _globals['_TENSORSTORAGE']._serialized_end=675
-  _globals['_TENSORSHARD']._serialized_start=678
-  _globals['_TENSORSHARD']._serialized_end=956
-  _globals['_WEIGHTMANIFEST']._serialized_start=959
-  _globals['_WEIGHTMANIFEST']._serialized_end=1102
+  _globals['_SHARDPLACEMENT']._serialized_end=172
+  _globals['_REPLICATEPLACEMENT']._serialized_start=174
+  _globals['_REPLICATEPLACEMENT']._serialized_end=194
+  _globals['_PARTIALPLACEMENT']._serialized_start=196
+  _globals['_PARTIALPLACEMENT']._serialized_end=233
+  _globals['_PLACEMENT']._serialized_start=236
+  _globals['_PLACEMENT']._serialized_end=396
+  _globals['_CUDAIPCHANDLE']._serialized_start=399
+  _globals['_CUDAIPCHANDLE']._serialized_end=640
+  _globals['_SHMHANDLE']._serialized_start=642
+  _globals['_SHMHANDLE']._serialized_end=699
+  _globals['_TENSORSTORAGE']._serialized_start=701
+  _globals['_TENSORSTORAGE']._serialized_end=805
+  _globals['_TENSORSHARD']._serialized_start=808
+  _globals['_TENSORSHARD']._serialized_end=1110
+  _globals['_WEIGHTMANIFEST']._serialized_start=1113
+  _globals['_WEIGHTMANIFEST']._serialized_end=1256
 # @@protoc_insertion_point(module_scope)

@@ -56,10 +56,12 @@ class Mesh(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dim_names: _Optional[_Iterable[str]] = ..., device_type: _Optional[_Union[DeviceType, str]] = ...) -> None: ...
 
 class ShardPlacement(_message.Message):
-    __slots__ = ("dim",)
+    __slots__ = ("dim", "split_factor")
     DIM_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FACTOR_FIELD_NUMBER: _ClassVar[int]
     dim: int
-    def __init__(self, dim: _Optional[int] = ...) -> None: ...
+    split_factor: int
+    def __init__(self, dim: _Optional[int] = ..., split_factor: _Optional[int] = ...) -> None: ...
 
 class ReplicatePlacement(_message.Message):
     __slots__ = ()
@@ -82,20 +84,28 @@ class Placement(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardPlacement, _Mapping]] = ..., replicate: _Optional[_Union[ReplicatePlacement, _Mapping]] = ..., partial: _Optional[_Union[PartialPlacement, _Mapping]] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("device_uuid", "handle", "offset", "nbytes", "allocation_nbytes", "event_handle")
+    __slots__ = ("device_uuid", "handle", "offset", "nbytes", "allocation_nbytes", "event_handle", "ref_counter_handle", "ref_counter_offset", "event_sync_required", "tensor_offset")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_NBYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     handle: bytes
     offset: int
     nbytes: int
     allocation_nbytes: int
     event_handle: bytes
-    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., allocation_nbytes: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_sync_required: bool
+    tensor_offset: int
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., allocation_nbytes: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
     __slots__ = ("name", "offset", "nbytes")
@@ -116,7 +126,7 @@ class TensorStorage(_message.Message):
     def __init__(self, cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ...) -> None: ...
 
 class TensorShard(_message.Message):
-    __slots__ = ("name", "dtype", "global_shape", "local_shape", "local_offset", "stride", "mesh", "mesh_coordinate", "placements", "storage")
+    __slots__ = ("name", "dtype", "global_shape", "local_shape", "local_offset", "stride", "mesh", "mesh_coordinate", "placements", "storage", "publisher_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +137,7 @@ class TensorShard(_message.Message):
     MESH_COORDINATE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     global_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -137,7 +148,8 @@ class TensorShard(_message.Message):
     mesh_coordinate: _containers.RepeatedScalarFieldContainer[int]
     placements: _containers.RepeatedCompositeFieldContainer[Placement]
     storage: TensorStorage
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., local_offset: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., storage: _Optional[_Union[TensorStorage, _Mapping]] = ...) -> None: ...
+    publisher_rank: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., local_offset: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., storage: _Optional[_Union[TensorStorage, _Mapping]] = ..., publisher_rank: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
     __slots__ = ("version", "model_fingerprint", "shards", "version_only", "publisher_id")

@@ -1,0 +1,3 @@
+from podrl.cli.main import main
+
+raise SystemExit(main())

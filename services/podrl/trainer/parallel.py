@@ -1,0 +1,190 @@
+"""The trainer's process group, device mesh and the parallelised transformers model.
+
+Mesh: ``("dp_shard", "tp")`` of shape ``(dp_shard, tp)`` over all ranks. Tensor parallelism
+(``parallelize_module``) splits attention and MLP projections over ``tp``; FSDP2
+(``fully_shard``) then shards every parameter over ``dp_shard``. FSDP2 is applied even when
+``dp_shard == 1`` so that every parameter is a DTensor and a 1-rank run takes the same code path
+as an N-rank one. On CUDA the model computes in bf16 and keeps fp32 master weights (FSDP2's
+MixedPrecisionPolicy); on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from podrl.config import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in the trainer's world (torchrun-style environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+
+def resolve_device(config: RunConfig, env: RankEnv) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda requested but torch sees no GPU; set device: cpu")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(config: RunConfig, env: RankEnv, device: torch.device) -> DeviceMesh:
+    """Join the trainer's process group and build the ``(dp_shard, tp)`` mesh."""
+    trainer = config.trainer
+    if env.world_size != trainer.world_size:
+        raise ConfigError(
+            f"trainer.dp_shard * trainer.tp = {trainer.world_size} but this process was started "
+            f"with WORLD_SIZE={env.world_size}; make them equal"
+        )
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=trainer.collective_timeout_seconds)
+        if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+            # One process and no rendezvous given: an in-process store is all it needs.
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend, rank=env.rank, world_size=env.world_size, timeout=timeout
+            )
+    return init_device_mesh(
+        device.type, (trainer.dp_shard, trainer.tp), mesh_dim_names=("dp_shard", "tp")
+    )
+
+
+def resolve_model_path(config: RunConfig) -> Path:
+    """The configured model folder, or the project's tiny model (written once, atomically)."""
+    if config.trainer.model_path is not None:
+        path = Path(config.trainer.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"trainer.model_path: {path} has no config.json; point it at a Hugging Face "
+                "safetensors folder (or `podrl make-tiny-model DIR`)"
+            )
+        return path
+    path = Path(config.run_dir) / "models" / "tiny"
+    if not (path / "config.json").is_file():
+        from podrl.models.tiny import make_tiny_model
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
+        make_tiny_model(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another process (generator, other rank) got there first: same bytes
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def load_hf_model(path: Path, attn_implementation: str) -> PreTrainedModel:
+    """The causal LM in fp32 on CPU (parallelisation moves and shards it)."""
+    hf_config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    model.config.use_cache = False
+    return model
+
+
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(
+            f"trainer.model_path: {type(model).__name__} has no model.layers; podrl parallelises "
+            "Llama-style decoders (Qwen3, Llama, ...)"
+        )
+    return layers
+
+
+def check_tp(model: PreTrainedModel, tp: int) -> None:
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", heads)
+    inter = config.intermediate_size
+    for name, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", inter),
+    ):
+        if value % tp:
+            raise ConfigError(
+                f"trainer.tp: {tp} does not divide the model's {name} ({value}); choose a tp "
+                "that divides it"
+            )
+
+
+def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP: colwise q/k/v/gate/up, rowwise o/down; embeddings, norms and lm_head
+    stay replicated. Qwen3's per-head q/k norms see only the local heads: they are marked
+    sharded on the head dimension so their gradients are summed over the tp ranks."""
+    for layer in _decoder_layers(model):
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        for norm in ("q_norm", "k_norm"):
+            if hasattr(layer.self_attn, norm):
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def parallelize(
+    model: PreTrainedModel, mesh: DeviceMesh, device: torch.device, trainable: bool = True
+) -> PreTrainedModel:
+    """TP over ``mesh["tp"]`` (if > 1), then FSDP2 over ``mesh["dp_shard"]``, in place."""
+    if mesh["tp"].size() > 1:
+        check_tp(model, mesh["tp"].size())
+        apply_tensor_parallel(model, mesh["tp"])
+    if device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    dp_mesh = mesh["dp_shard"]
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    # fully_shard moves parameters and buffers to the mesh's device.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model

@@ -1,0 +1,276 @@
+"""Trainer side: expose this rank's parameter shards through shared-memory handles.
+
+One :class:`WeightPublisher` per trainer rank; rank 0 merges the ranks' :class:`RankPublication`
+(plain protobuf bytes) into one ``WeightManifest`` with :class:`ManifestAssembler`.
+
+The trainer must not change published storage while a generator may read it:
+
+* **CPU** (``staging="shm"``): parameters are copied into a shared-memory *staging copy* when a
+  version is published; the optimizer may step freely, but the next :meth:`prepare` refreshes
+  the staging copy and so waits until the previous version was acknowledged.
+* **GPU** (``staging="direct"``): the FSDP2 sharded parameters themselves are exported by CUDA
+  IPC (no copy). The optimizer updates them in place, so the trainer calls
+  :meth:`wait_for_acknowledgement` before every optimizer step while a version is pending.
+
+A full manifest goes out the first time and whenever the storage fingerprint changes (or on
+``force_full``); afterwards a manifest carries only the version ("the storage you mapped now
+holds version v").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from podrl.v1 import weights_pb2
+from podrl.weights import codec, cuda_ipc, manifest, shm
+from podrl.weights.errors import PublishError
+
+StagingMode = Literal["auto", "shm", "direct"]
+DEFAULT_SEGMENT_BYTES = 1 << 30
+
+
+@dataclass
+class RankPublication:
+    """What one rank contributes to a manifest: its storage fingerprint and its shards."""
+
+    rank: int
+    fingerprint: str
+    shards: list[weights_pb2.TensorShard]
+
+    def to_bytes(self) -> bytes:
+        """Serialized as a ``WeightManifest`` message (protobuf, never pickle)."""
+        message = weights_pb2.WeightManifest(
+            model_fingerprint=self.fingerprint, shards=self.shards, publisher_id=str(self.rank)
+        )
+        return message.SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RankPublication:
+        message = weights_pb2.WeightManifest.FromString(data)
+        return cls(
+            rank=int(message.publisher_id),
+            fingerprint=message.model_fingerprint,
+            shards=list(message.shards),
+        )
+
+
+class _ShmStaging:
+    """Packed shared-memory copy of a set of local shards (many tensors per segment)."""
+
+    def __init__(self, shards: Sequence[manifest.LocalShard], segment_bytes: int) -> None:
+        self.segments: list[shm.SharedSegment] = []
+        self.views: list[torch.Tensor] = []
+        self.handles: list[weights_pb2.TensorStorage] = []
+        layout: list[tuple[int, int]] = []  # (segment index, offset) per shard
+        sizes: list[int] = [0]
+        for shard in shards:
+            nbytes = shard.tensor.numel() * shard.tensor.element_size()
+            offset = -(-sizes[-1] // shm.ALIGNMENT) * shm.ALIGNMENT
+            if offset + nbytes > segment_bytes and sizes[-1] > 0:
+                sizes.append(0)
+                offset = 0
+            layout.append((len(sizes) - 1, offset))
+            sizes[-1] = offset + nbytes
+        try:
+            self.segments = [shm.SharedSegment(size) for size in sizes]
+        except BaseException:
+            self.close()
+            raise
+        for shard, (index, offset) in zip(shards, layout, strict=True):
+            segment = self.segments[index]
+            view = segment.view(offset, shard.tensor.dtype, tuple(shard.tensor.shape))
+            self.views.append(view)
+            self.handles.append(
+                weights_pb2.TensorStorage(
+                    shm=weights_pb2.ShmHandle(
+                        name=segment.name, offset=offset, nbytes=view.numel() * view.element_size()
+                    )
+                )
+            )
+
+    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+        with torch.no_grad():
+            for view, shard in zip(self.views, shards, strict=True):
+                view.copy_(shard.tensor)
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.unlink()
+        self.segments = []
+        self.views = []
+
+
+class WeightPublisher:
+    """Publishes one trainer rank's parameter shards; see the module docstring for the rules.
+
+    ``params`` is the module whose ``named_parameters()`` are published (names in Hugging Face
+    form, as FSDP2/TP leave them) or a callable returning a name -> tensor mapping.
+    """
+
+    def __init__(
+        self,
+        params: torch.nn.Module | Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        rank: int = 0,
+        staging: StagingMode = "auto",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        if isinstance(params, torch.nn.Module):
+            module = params
+            self._params_fn: Callable[[], Mapping[str, torch.Tensor]] = lambda: dict(
+                module.named_parameters()
+            )
+        else:
+            self._params_fn = params
+        if staging not in ("auto", "shm", "direct"):
+            raise ValueError(f"staging must be 'auto', 'shm' or 'direct', not {staging!r}")
+        self.rank = rank
+        self._staging_mode = staging
+        self._segment_bytes = segment_bytes
+        self._staging: _ShmStaging | None = None
+        self._fingerprint: str | None = None
+        self._shards: list[weights_pb2.TensorShard] = []
+        self._pending: int | None = None
+        self._acked = threading.Condition()
+        shm.reap_orphaned_segments()
+
+    # -- publishing --------------------------------------------------------------------------
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version published and not yet acknowledged, if any."""
+        with self._acked:
+            return self._pending
+
+    def prepare(self, version: int, *, ack_timeout: float = 0.0) -> RankPublication:
+        """Make ``version`` readable and describe this rank's shards.
+
+        Waits up to ``ack_timeout`` seconds for the previous version's acknowledgement and
+        raises :class:`PublishError` if it does not come (republishing the pending version
+        itself is allowed, e.g. a full manifest for a new generator).
+        """
+        with self._acked:
+            if self._pending is not None and self._pending != version:
+                self._acked.wait_for(lambda: self._pending is None, timeout=ack_timeout)
+                if self._pending is not None:
+                    raise PublishError(
+                        f"version {self._pending} is not acknowledged yet; the trainer may not "
+                        f"overwrite published weights with version {version}"
+                    )
+        local = manifest.local_shards(self._params_fn())
+        if not local:
+            raise PublishError(f"rank {self.rank} has no parameters to publish")
+        fingerprint = manifest.storage_fingerprint(local)
+        direct = self._direct(local)
+        if fingerprint != self._fingerprint:
+            self._rebuild(local, fingerprint, direct)
+        if direct:
+            if any(shard.tensor.is_cuda for shard in local):
+                # Kernels of the last optimizer step must be done before anyone reads.
+                torch.cuda.synchronize()
+        else:
+            assert self._staging is not None
+            self._staging.refresh(local)
+        with self._acked:
+            self._pending = version
+        return RankPublication(rank=self.rank, fingerprint=fingerprint, shards=self._shards)
+
+    def _direct(self, local: Sequence[manifest.LocalShard]) -> bool:
+        on_cuda = all(shard.tensor.is_cuda for shard in local)
+        if self._staging_mode == "direct" and not on_cuda:
+            raise PublishError("staging='direct' needs CUDA parameters; CPU weights use 'shm'")
+        return on_cuda if self._staging_mode == "auto" else self._staging_mode == "direct"
+
+    def _rebuild(
+        self, local: Sequence[manifest.LocalShard], fingerprint: str, direct: bool
+    ) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        if direct:
+            storages = [
+                weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)) for s in local
+            ]
+        else:
+            # The staging copy is contiguous whatever the source strides are.
+            self._staging = _ShmStaging(local, self._segment_bytes)
+            storages = self._staging.handles
+        self._shards = []
+        for shard, storage in zip(local, storages, strict=True):
+            message = shard.to_wire(storage, self.rank)
+            if not direct:
+                message.stride[:] = list(codec.contiguous_strides(shard.tensor.shape))
+            self._shards.append(message)
+        self._fingerprint = fingerprint
+
+    # -- acknowledgement ---------------------------------------------------------------------
+
+    def acknowledge(self, version: int) -> None:
+        """The generator(s) applied ``version`` (or a later one): storage may change again."""
+        with self._acked:
+            if self._pending is not None and version >= self._pending:
+                self._pending = None
+                self._acked.notify_all()
+
+    def wait_for_acknowledgement(self, timeout: float | None = None) -> bool:
+        """Block until no version is pending; False on timeout. GPU trainers call this before
+        each optimizer step (the step would write into storage a generator may be reading)."""
+        with self._acked:
+            return self._acked.wait_for(lambda: self._pending is None, timeout=timeout)
+
+    @property
+    def must_wait_before_step(self) -> bool:
+        """True when the optimizer may not touch the parameters yet (direct GPU publishing)."""
+        return self._staging is None and self.pending_version is not None
+
+    def close(self) -> None:
+        """Unlink this publisher's shared-memory segments (also done at interpreter exit)."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        self._fingerprint = None
+        shm.reap_orphaned_segments()
+
+
+class ManifestAssembler:
+    """Rank 0: merges every rank's publication into one manifest, full or version-only."""
+
+    def __init__(self, publisher_id: str) -> None:
+        self.publisher_id = publisher_id
+        self._last_fingerprint: str | None = None
+
+    def assemble(
+        self, version: int, parts: Sequence[RankPublication], *, force_full: bool = False
+    ) -> weights_pb2.WeightManifest:
+        parts = sorted(parts, key=lambda part: part.rank)
+        fingerprint = manifest.combine_fingerprints(part.fingerprint for part in parts)
+        full = force_full or fingerprint != self._last_fingerprint
+        message = weights_pb2.WeightManifest(
+            version=version,
+            model_fingerprint=fingerprint,
+            version_only=not full,
+            publisher_id=self.publisher_id,
+        )
+        if full:
+            for part in parts:
+                message.shards.extend(part.shards)
+        self._last_fingerprint = fingerprint
+        return message
+
+
+def publish_single_process(
+    publisher: WeightPublisher,
+    assembler: ManifestAssembler,
+    version: int,
+    *,
+    force_full: bool = False,
+    ack_timeout: float = 0.0,
+) -> weights_pb2.WeightManifest:
+    """prepare + assemble for a trainer of one process (tests, bench, single-rank trainers)."""
+    part = publisher.prepare(version, ack_timeout=ack_timeout)
+    return assembler.assemble(version, [part], force_full=force_full)

@@ -1,0 +1,106 @@
+"""`podrl up` as a user runs it: starts four children, stops all of them, reports a dead one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+READY_LINE = "podrl is up"
+
+
+def _start_up(tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PODRL_RUN_DIR": str(tmp_path / "run"), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "podrl.cli", "up", "--startup-timeout", "300"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_until_up(proc: subprocess.Popen[str]) -> list[str]:
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if READY_LINE in line:
+            return lines
+    raise AssertionError("podrl up exited before it was up:\n" + "".join(lines))
+
+
+def _children(proc: subprocess.Popen[str]) -> dict[str, psutil.Process]:
+    by_service = {}
+    for child in psutil.Process(proc.pid).children():
+        cmdline = child.cmdline()
+        service = cmdline[cmdline.index("-m") + 1].removeprefix("podrl.")
+        by_service[service] = child
+    return by_service
+
+
+def _assert_all_gone(processes: list[psutil.Process], timeout: float = 30) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    assert not alive, f"still running: {[p.pid for p in alive]}"
+
+
+def test_sigterm_stops_every_child(tmp_path: Path) -> None:
+    proc = _start_up(tmp_path)
+    try:
+        _wait_until_up(proc)
+        children = _children(proc)
+        assert set(children) == {"controller", "generator", "grader", "trainer"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        _assert_all_gone(list(children.values()))
+    finally:
+        proc.kill()
+
+
+def test_a_dead_child_is_reported_and_up_exits_nonzero(tmp_path: Path) -> None:
+    proc = _start_up(tmp_path)
+    try:
+        _wait_until_up(proc)
+        children = _children(proc)
+        children["grader"].kill()
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert "grader" in output and "SIGKILL" in output
+        _assert_all_gone(list(children.values()))
+    finally:
+        proc.kill()
+
+
+def test_children_do_not_outlive_a_killed_launcher(tmp_path: Path) -> None:
+    proc = _start_up(tmp_path)
+    try:
+        _wait_until_up(proc)
+        children = list(_children(proc).values())
+        proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel's parent-death signal does
+        proc.wait(timeout=10)
+        _assert_all_gone(children)
+    finally:
+        proc.kill()
+
+
+def test_self_check_passes(tmp_path: Path) -> None:
+    env = {**os.environ, "PODRL_RUN_DIR": str(tmp_path / "run")}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "podrl.cli", "up", "--self-check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+    assert time.monotonic() - started < 400
