@@ -195,7 +195,9 @@ def _check_divisible(what: str, size: int, tp_size: int) -> int:
     return size // tp_size
 
 
-def vllm_layout(description: ModelDescription, tp_rank: int, tp_size: int) -> dict[str, TargetTensor]:
+def vllm_layout(
+    description: ModelDescription, tp_rank: int, tp_size: int
+) -> dict[str, TargetTensor]:
     """vLLM's parameters on tensor-parallel rank ``tp_rank`` of ``tp_size`` (vLLM naming)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
@@ -250,7 +252,9 @@ def vllm_layout(description: ModelDescription, tp_rank: int, tp_size: int) -> di
             dst = (0 if rule.split is Split.GATE else inter, *zeros_rest)
         target = targets.setdefault(target_name, TargetTensor(target_name, target_shape))
         if target.shape != target_shape:
-            raise ValueError(f"{target_name}: parts disagree on shape ({target.shape} vs {target_shape})")
+            raise ValueError(
+                f"{target_name}: parts disagree on shape ({target.shape} vs {target_shape})"
+            )
         if src.numel:
             target.pieces.append(TargetPiece(hf_name, src, dst))
     return targets

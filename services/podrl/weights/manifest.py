@@ -91,7 +91,9 @@ def local_shards(params: Mapping[str, torch.Tensor]) -> list[LocalShard]:
                     tensor=tensor,
                     global_shape=tuple(tensor.shape),
                     local_offset=(0,) * tensor.dim(),
-                    mesh=weights_pb2.Mesh(device_type=codec.device_type_to_wire(tensor.device.type)),
+                    mesh=weights_pb2.Mesh(
+                        device_type=codec.device_type_to_wire(tensor.device.type)
+                    ),
                     mesh_coordinate=(),
                     placements=[],
                 )

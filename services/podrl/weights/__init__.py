@@ -1,0 +1,37 @@
+"""The weight-transfer protocol (ARCHITECTURE.md §4): trainer shards -> shared-memory handles
+-> generator copy plan. Imports torch, never vLLM. See docs/weights.md."""
+
+from podrl.weights.architectures import (
+    ARCHITECTURE_TABLES,
+    ModelDescription,
+    TargetLayout,
+    TargetTensor,
+    hf_layout,
+    vllm_layout,
+)
+from podrl.weights.errors import ManifestError, ManifestErrorKind, PublishError
+from podrl.weights.publisher import (
+    ManifestAssembler,
+    RankPublication,
+    WeightPublisher,
+    publish_single_process,
+)
+from podrl.weights.receiver import AppliedWeights, WeightReceiver
+
+__all__ = [
+    "ARCHITECTURE_TABLES",
+    "AppliedWeights",
+    "ManifestAssembler",
+    "ManifestError",
+    "ManifestErrorKind",
+    "ModelDescription",
+    "PublishError",
+    "RankPublication",
+    "TargetLayout",
+    "TargetTensor",
+    "WeightPublisher",
+    "WeightReceiver",
+    "hf_layout",
+    "publish_single_process",
+    "vllm_layout",
+]
