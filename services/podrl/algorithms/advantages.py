@@ -45,7 +45,7 @@ def group_advantages(
     values = [float(r) for r in rewards]
     for index, value in enumerate(values):
         if not math.isfinite(value):
-            raise ValueError(f"rewards[{index}] of group {key!r} is {value}; rewards must be finite")
+            raise ValueError(f"rewards[{index}] of group {key!r} is {value}; must be finite")
     count = len(values)
     if count == 0:
         return GroupAdvantages(key, (), 0.0, 0.0, dropped=True)

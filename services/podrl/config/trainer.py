@@ -27,27 +27,37 @@ class TrainerConfig(ServiceSection):
 
     # Parallelism: the trainer runs dp_shard * tp ranks.
     dp_shard: int = Field(
-        1, ge=1, description="FSDP2 (fully_shard) data-parallel degree: parameters, gradients "
+        1,
+        ge=1,
+        description="FSDP2 (fully_shard) data-parallel degree: parameters, gradients "
         "and optimizer state are sharded over this many ranks, each training on its share of "
         "the batch.",
     )
     tp: int = Field(
-        1, ge=1, description="Tensor-parallel degree (parallelize_module: q/k/v/gate/up "
+        1,
+        ge=1,
+        description="Tensor-parallel degree (parallelize_module: q/k/v/gate/up "
         "column-wise, o/down row-wise). Must divide the model's attention and KV heads.",
     )
     master_port: int = Field(
-        0, ge=0, le=65535, description="TCP port of the ranks' rendezvous when podrl-trainer "
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the ranks' rendezvous when podrl-trainer "
         "starts its own ranks; 0 = pick a free port.",
     )
     collective_timeout_seconds: float = Field(
-        1800.0, gt=0, description="Timeout of one collective (a rank that does not answer "
+        1800.0,
+        gt=0,
+        description="Timeout of one collective (a rank that does not answer "
         "within it fails the step).",
     )
 
     # Optimizer (AdamW) and schedule.
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning-rate shape after warmup: constant, linear decay to "
+        "constant",
+        description="Learning-rate shape after warmup: constant, linear decay to "
         "min_lr_ratio * lr at total_steps, or cosine decay to the same floor.",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over these steps.")
@@ -65,13 +75,16 @@ class TrainerConfig(ServiceSection):
         1.0, ge=0, description="Clip the global gradient norm to this value; 0 = no clipping."
     )
     micro_batch_size: int = Field(
-        8, ge=1, description="Sequences per forward/backward on one rank; gradients accumulate "
+        8,
+        ge=1,
+        description="Sequences per forward/backward on one rank; gradients accumulate "
         "over micro-batches into one optimizer step.",
     )
 
     # Loss (formulas: docs/algorithms.md, podrl.algorithms.losses).
     loss_mode: Literal["grpo", "dapo", "dr_grpo"] = Field(
-        "grpo", description="grpo: mean over sequences of per-sequence token means; dapo: "
+        "grpo",
+        description="grpo: mean over sequences of per-sequence token means; dapo: "
         "token-level mean over the batch; dr_grpo: token sum over batch size * "
         "dr_grpo_max_tokens.",
     )
@@ -79,35 +92,47 @@ class TrainerConfig(ServiceSection):
         0.2, ge=0, lt=1, description="PPO clip below: ratios under 1 - clip_eps_low are clipped."
     )
     clip_eps_high: float = Field(
-        0.2, ge=0, description="PPO clip above: ratios over 1 + clip_eps_high are clipped "
+        0.2,
+        ge=0,
+        description="PPO clip above: ratios over 1 + clip_eps_high are clipped "
         "(DAPO's clip-higher uses 0.28).",
     )
     dr_grpo_max_tokens: int = Field(
-        1024, ge=1, description="Dr. GRPO's constant normaliser: the generation budget "
+        1024,
+        ge=1,
+        description="Dr. GRPO's constant normaliser: the generation budget "
         "(the generator's max_tokens).",
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the k3 KL penalty to a frozen copy of the initial "
+        0.0,
+        ge=0,
+        description="Weight of the k3 KL penalty to a frozen copy of the initial "
         "model; 0 = no reference model is loaded.",
     )
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling: weight tokens by "
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight tokens by "
         "min(pi_trainer / pi_generator, tis_cap) and take the PPO ratio against the trainer's "
         "own logprobs; unset = PPO ratio directly against the generator's logprobs.",
     )
     logit_temperature: float = Field(
-        1.0, gt=0, description="Divide logits by this before log-softmax; set it to the "
+        1.0,
+        gt=0,
+        description="Divide logits by this before log-softmax; set it to the "
         "sampling temperature when the generator reports logprobs of the tempered distribution.",
     )
 
     # Reproducibility and checkpoints.
     seed: int = Field(0, description="Seed of torch's RNGs on every rank.")
     checkpoint_dir: Path | None = Field(
-        None, description="Where SaveCheckpoint writes when the request names no path; unset "
+        None,
+        description="Where SaveCheckpoint writes when the request names no path; unset "
         "= <run_dir>/checkpoints.",
     )
     export_dir: Path | None = Field(
-        None, description="Where ExportHF writes when the request names no path; unset = "
+        None,
+        description="Where ExportHF writes when the request names no path; unset = "
         "<run_dir>/exports.",
     )
 

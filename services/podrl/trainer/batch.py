@@ -95,6 +95,9 @@ class MicroBatch:
     generator_logprobs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B]
 
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(**{name: t.to(device) for name, t in vars(self).items()})
+
 
 def collate(sequences: Sequence[trainer_pb2.TrainSequence], pad_id: int) -> MicroBatch:
     """Tensors of ``sequences``; an empty list gives one all-masked dummy row (a rank with no

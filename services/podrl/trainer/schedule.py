@@ -13,7 +13,8 @@ def lr_multiplier(config: TrainerConfig) -> Callable[[int], float]:
 
     warmup:  (step + 1) / warmup_steps            for step < warmup_steps
     then p = (step - warmup) / (total - warmup) clipped to [0, 1], floor = min_lr_ratio:
-    constant 1;  linear floor + (1 - floor) * (1 - p);  cosine floor + (1 - floor) * (1 + cos(pi p)) / 2
+    constant: 1;  linear: floor + (1 - floor) * (1 - p);
+    cosine: floor + (1 - floor) * (1 + cos(pi * p)) / 2
     """
     warmup, total, floor, shape = (
         config.warmup_steps,

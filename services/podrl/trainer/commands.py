@@ -1,0 +1,55 @@
+"""The trainer's rank commands: each RPC that needs every rank is one entry in this table.
+
+Handlers run on EVERY rank with the same payload (a serialized request message) and return
+their rank's serialized response. Rank 0's reply is the one the servicer answers with.
+To add a command (e.g. publishing weights, where every rank publishes its own shards), write a
+``register_*`` function like ``register_builtin_commands`` and call it in ``register_commands``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from podrl.trainer.engine import TrainerEngine
+from podrl.trainer.rank_commands import CommandLoop
+from podrl.v1 import trainer_pb2
+
+TRAIN = "train"
+SAVE_CHECKPOINT = "save_checkpoint"
+LOAD_CHECKPOINT = "load_checkpoint"
+EXPORT_HF = "export_hf"
+
+
+def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
+    def train(payload: bytes) -> bytes:
+        request = trainer_pb2.TrainRequest.FromString(payload)
+        return engine.train_step(request).SerializeToString()
+
+    def save(payload: bytes) -> bytes:
+        request = trainer_pb2.SaveCheckpointRequest.FromString(payload)
+        engine.save_checkpoint(Path(request.path), request.controller_state)
+        return trainer_pb2.SaveCheckpointResponse(
+            path=request.path, step=engine.step, policy_version=engine.policy_version
+        ).SerializeToString()
+
+    def load(payload: bytes) -> bytes:
+        request = trainer_pb2.LoadCheckpointRequest.FromString(payload)
+        blob = engine.load_checkpoint(Path(request.path))
+        return trainer_pb2.LoadCheckpointResponse(
+            step=engine.step, policy_version=engine.policy_version, controller_state=blob
+        ).SerializeToString()
+
+    def export(payload: bytes) -> bytes:
+        request = trainer_pb2.ExportHFRequest.FromString(payload)
+        files = engine.export_hf(Path(request.path))
+        return trainer_pb2.ExportHFResponse(path=request.path, files=files).SerializeToString()
+
+    loop.register(TRAIN, train)
+    loop.register(SAVE_CHECKPOINT, save)
+    loop.register(LOAD_CHECKPOINT, load)
+    loop.register(EXPORT_HF, export)
+
+
+def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
+    """Every command of the trainer, registered identically on every rank."""
+    register_builtin_commands(loop, engine)

@@ -1,0 +1,244 @@
+"""TrainerEngine: the policy model, its optimizer and schedule, the step and policy version.
+
+One engine lives on every trainer rank; rank 0 validates requests and drives the others through
+the rank command loop (``podrl.trainer.rank_commands``), every rank then calls the same engine
+method with the same arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
+
+from podrl.algorithms.losses import LossSettings, policy_loss
+from podrl.config import RunConfig
+from podrl.trainer import checkpoint, export
+from podrl.trainer.batch import (
+    BatchLimits,
+    MicroBatch,
+    batch_totals,
+    collate,
+    split_for_rank,
+    validate_train_request,
+)
+from podrl.trainer.grad_norm import clip_grad_norm
+from podrl.trainer.parallel import (
+    RankEnv,
+    init_distributed,
+    load_hf_model,
+    parallelize,
+    resolve_device,
+    resolve_model_path,
+)
+from podrl.trainer.schedule import lr_multiplier
+from podrl.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+
+# Metric sums all-reduced over the data-parallel ranks, in this order.
+_SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio", "clipped", "tokens", "logprob_diff")
+
+
+class TrainerEngine:
+    """See the module docstring. Build it on every rank with the same config."""
+
+    def __init__(self, config: RunConfig, env: RankEnv | None = None) -> None:
+        self.config = config
+        self.settings = config.trainer
+        self.env = env or RankEnv.from_environ()
+        self.device = resolve_device(config, self.env)
+        self.mesh: DeviceMesh = init_distributed(config, self.env, self.device)
+        torch.manual_seed(self.settings.seed)
+        # Every rank resolves it; the tiny default is written atomically by whichever is first.
+        self.model_path = resolve_model_path(config)
+        self.model: PreTrainedModel = parallelize(
+            load_hf_model(self.model_path, self.settings.attn_implementation),
+            self.mesh,
+            self.device,
+        )
+        self.reference: PreTrainedModel | None = None
+        if self.settings.kl_coef > 0:
+            self.reference = parallelize(
+                load_hf_model(self.model_path, self.settings.attn_implementation),
+                self.mesh,
+                self.device,
+                trainable=False,
+            )
+        hf_config = self.model.config
+        self.limits = BatchLimits(
+            vocab_size=hf_config.vocab_size,
+            max_positions=getattr(hf_config, "max_position_embeddings", 1 << 30),
+        )
+        pad = getattr(hf_config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.settings.lr,
+            betas=(self.settings.adam_beta1, self.settings.adam_beta2),
+            eps=self.settings.adam_eps,
+            weight_decay=self.settings.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_multiplier(self.settings)
+        )
+        self.loss_settings = LossSettings(
+            mode=self.settings.loss_mode,
+            clip_eps_low=self.settings.clip_eps_low,
+            clip_eps_high=self.settings.clip_eps_high,
+            kl_coef=self.settings.kl_coef,
+            tis_cap=self.settings.tis_cap,
+            dr_grpo_max_tokens=self.settings.dr_grpo_max_tokens,
+        )
+        self.step = 0
+        self.policy_version = 0
+        log.info(
+            "trainer rank %d/%d: %s on %s, mesh %s",
+            self.env.rank,
+            self.env.world_size,
+            self.model_path,
+            self.device,
+            dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
+        )
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp_shard"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp_shard"].size()
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def validate(self, request: trainer_pb2.TrainRequest) -> None:
+        """Raise BatchError if ``request`` must not be trained on (rank 0, before broadcast)."""
+        validate_train_request(request, self.policy_version, self.limits)
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _token_logprobs(
+        self, model: PreTrainedModel, batch: MicroBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob of each target token [B, L-1], log-softmax over the vocabulary)."""
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1].float() / self.settings.logit_temperature
+        log_probs = F.log_softmax(logits, dim=-1)
+        return log_probs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1), log_probs
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits of the current policy for ``input_ids`` [B, L] (collective, every rank)."""
+        self.model.eval()
+        out = self.model(input_ids=input_ids.to(self.device)).logits.float()
+        self.model.train()
+        return out
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def train_step(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
+        """One optimizer step on the whole batch (every rank, same request) → metrics."""
+        started = time.monotonic()
+        sequences = list(request.sequences)
+        totals = batch_totals(sequences)
+        micro_batches = split_for_rank(
+            sequences, self.dp_rank, self.dp_size, self.settings.micro_batch_size
+        )
+        self.model.train()
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
+        diff_max = torch.zeros(1, dtype=torch.float64, device=self.device)
+        lr = self.learning_rate
+        for index, part in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            self.model.set_requires_gradient_sync(last)
+            batch = collate(part, self.pad_id).to(self.device)
+            logprobs, log_probs = self._token_logprobs(self.model, batch)
+            ref_logprobs = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logprobs, _ = self._token_logprobs(self.reference, batch)
+            terms = policy_loss(
+                logprobs,
+                batch.generator_logprobs,
+                batch.advantages,
+                batch.loss_mask,
+                self.loss_settings,
+                totals,
+                ref_logprobs,
+            )
+            # FSDP averages gradients over dp ranks; the loss is already a batch-wide sum.
+            (terms.loss * self.dp_size).backward()
+            with torch.no_grad():
+                mask = batch.loss_mask
+                entropy = -(log_probs.exp() * log_probs).sum(-1)
+                diff = (logprobs.detach() - batch.generator_logprobs).abs() * mask
+                sums += torch.stack(
+                    [
+                        terms.loss.detach(),
+                        terms.pg_loss,
+                        terms.kl,
+                        (entropy * mask).sum(),
+                        terms.ratio_sum,
+                        terms.clipped_tokens,
+                        terms.tokens,
+                        diff.sum(),
+                    ]
+                ).to(torch.float64)
+                diff_max = torch.maximum(diff_max, diff.max().to(torch.float64).reshape(1))
+            del logprobs, log_probs, terms
+        grad_norm = clip_grad_norm(self.model.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dp_group = self.mesh["dp_shard"].get_group()
+        if self.dp_size > 1:
+            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
+        self.step += 1
+        self.policy_version += 1
+        values = dict(zip(_SUMS, sums.tolist(), strict=True))
+        tokens = max(values["tokens"], 1.0)
+        metrics = trainer_pb2.TrainMetrics(
+            loss=values["loss"],
+            pg_loss=values["pg_loss"],
+            kl=values["kl"],
+            entropy=values["entropy"] / tokens,
+            ratio_mean=values["ratio"] / tokens,
+            clip_fraction=values["clipped"] / tokens,
+            grad_norm=float(grad_norm),
+            logprob_diff_mean=values["logprob_diff"] / tokens,
+            logprob_diff_max=float(diff_max.item()),
+            tokens=int(values["tokens"]),
+            learning_rate=lr,
+            step_seconds=time.monotonic() - started,
+        )
+        return trainer_pb2.TrainResponse(
+            metrics=metrics, policy_version=self.policy_version, step=self.step
+        )
+
+    # -- checkpoints and export ----------------------------------------------------------------
+
+    def save_checkpoint(self, path: Path, controller_state: bytes = b"") -> None:
+        checkpoint.save(self, Path(path), controller_state)
+
+    def load_checkpoint(self, path: Path) -> bytes:
+        """Restore everything saved at ``path``; the controller's blob."""
+        return checkpoint.load(self, Path(path))
+
+    def export_hf(self, path: Path) -> list[str]:
+        """Write a Hugging Face safetensors folder (rank 0 writes; every rank must call)."""
+        return export.export_hf(self.model, self.model_path, Path(path), self.env.rank)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

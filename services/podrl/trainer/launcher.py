@@ -1,0 +1,99 @@
+"""``podrl-trainer`` with ``dp_shard * tp > 1`` and no torchrun around it: start the ranks.
+
+Each rank is ``python -m podrl.trainer`` with the torchrun environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0 serves gRPC and drives the
+others. SIGTERM/SIGINT to the launcher go to rank 0 only: it drains its RPCs and then tells the
+other ranks to stop (they ignore the signal themselves so they are never cut off mid-collective).
+If any rank dies, the others are stopped and the launcher exits with that rank's code. Ranks
+get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from podrl.config import RunConfig
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(config: RunConfig, argv: Sequence[str]) -> int:
+    """Start ``config.trainer.world_size`` ranks on this host and supervise them."""
+    world = config.trainer.world_size
+    host = "127.0.0.1"
+    port = config.trainer.master_port or _free_port(host)
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(port),
+    }
+    command = [sys.executable, "-m", "podrl.trainer", *argv]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        for rank in range(world)
+    ]
+    log.info("started %d trainer ranks (pids %s)", world, [p.pid for p in ranks])
+    stopping: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signal.Signals(signum).name)
+        if ranks[0].poll() is None:
+            ranks[0].send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    grace = config.grpc.shutdown_grace_seconds + 30
+    while True:
+        codes = [p.poll() for p in ranks]
+        if all(code is not None for code in codes):
+            break
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed or (codes[0] is not None):
+            rank, code = failed[0] if failed else (0, codes[0])
+            log.error("trainer rank %d exited with %s; stopping the other ranks", rank, code)
+            _stop_all(ranks, grace)
+            break
+        time.sleep(0.2)
+    codes = [p.returncode for p in ranks]
+    bad = [c for c in codes if c]
+    return 0 if not bad else (bad[0] if bad[0] > 0 else 1)
+
+
+def _stop_all(ranks: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM rank 0 (it stops the others), then everyone; SIGKILL what outlives ``grace``."""
+    deadline = time.monotonic() + grace
+    for process in ranks:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in ranks:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
