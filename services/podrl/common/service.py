@@ -79,6 +79,10 @@ class ServiceSpec:
     side_servers: list[SideServer] = field(default_factory=list)
     on_close: list[Callable[[], None]] = field(default_factory=list)
     """Run after the gRPC server stopped (release engines, shared memory, ...)."""
+    until_ready: Callable[[], None] | None = None
+    """Blocks until the service can do its work (e.g. its engine loaded). Runs after the gRPC
+    server started; health answers NOT_SERVING until it returns, then SERVING. If it raises,
+    the service shuts down (on_close hooks run) and the error propagates."""
 
 
 class ServiceProcess:
@@ -126,7 +130,15 @@ class ServiceProcess:
             )
         for side in self.spec.side_servers:
             side.start()
+        if self.spec.until_ready is not None:
+            self._set_serving(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.start()
+        if self.spec.until_ready is not None:
+            try:
+                self.spec.until_ready()
+            except BaseException:
+                self.shutdown("failed to become ready")
+                raise
         self._set_serving(health_pb2.HealthCheckResponse.SERVING)
         SERVICE_UP.labels(self.spec.name, self.config.worker_id).set(1)
         log.info("%s serving gRPC on %s", self.spec.name, bind)
@@ -191,6 +203,7 @@ def worker_spec(
     servicer: object,
     add_servicer: Callable[[object, grpc.Server], None],
     on_close: Sequence[Callable[[], None]] = (),
+    until_ready: Callable[[], None] | None = None,
 ) -> ServiceSpec:
     """The spec of a worker-pod service: registers with the controller, exports Prometheus."""
     section = getattr(config, name)
@@ -202,6 +215,7 @@ def worker_spec(
         add_servicers=lambda server: add_servicer(servicer, server),
         side_servers=[PrometheusServer(section.bind_host, section.metrics_port)],
         on_close=list(on_close),
+        until_ready=until_ready,
     )
 
 

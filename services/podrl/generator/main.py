@@ -1,4 +1,10 @@
-"""``podrl-generator``: the generator service process."""
+"""``podrl-generator``: the generator service process.
+
+Start-up: the gRPC server starts at once (health NOT_SERVING), then the model folder is made
+ready (the tiny model is written if configured) and the vLLM engine loads; only then does health
+turn SERVING and the generator register with the controller. On SIGTERM the engine shuts down
+after in-flight RPCs finished (``on_close``).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,40 @@ from collections.abc import Sequence
 
 from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
+from podrl.generator.engine import VllmEngine
+from podrl.generator.model_files import ensure_model_folder
 from podrl.generator.servicer import GeneratorServicer
 from podrl.v1 import generator_pb2_grpc
 
 
 def build_spec(config: RunConfig) -> ServiceSpec:
-    return worker_spec(
+    gen = config.generator
+    model_path = gen.resolved_model_path(config.run_dir)
+    engine = VllmEngine(
+        gen, model_path, trusted_publisher_id=gen.trusted_publisher_id or config.worker_id
+    )
+    servicer = GeneratorServicer(config, engine)
+
+    def load_engine() -> None:
+        ensure_model_folder(model_path, gen.create_tiny_model_if_missing)
+        engine.start()
+        servicer.mark_ready()
+
+    spec = worker_spec(
         "generator",
         config,
-        GeneratorServicer(config),
+        servicer,
         generator_pb2_grpc.add_GeneratorServicer_to_server,
+        on_close=[engine.close],
+        until_ready=load_engine,
     )
+    spec.details.update(model=str(model_path), dtype=gen.dtype)
+    return spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return serve("generator", build_spec, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

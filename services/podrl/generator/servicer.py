@@ -1,28 +1,203 @@
-"""gRPC Generator service. Generation and weight application arrive with the vLLM engine;
-until then those RPCs answer UNIMPLEMENTED (the generated base class does that)."""
+"""gRPC Generator service: protobuf in and out, status codes; the work is ``VllmEngine``'s.
+
+Status codes:
+- Generate: INVALID_ARGUMENT for bad sampling values or prompts; UNAVAILABLE while the engine
+  loads; FAILED_PRECONDITION while asleep; DEADLINE_EXCEEDED when the caller's deadline passes
+  (the engine aborts the requests).
+- ApplyWeights: INVALID_ARGUMENT for a manifest that does not describe this model (names,
+  shapes, dtypes, tiling); FAILED_PRECONDITION for a stale or out-of-order version, a
+  version-only manifest for unknown storage, an untrusted publisher or storage that cannot be
+  opened. In both cases nothing was written and the current weights keep serving.
+- Sleep/WakeUp: FAILED_PRECONDITION where vLLM has no sleep mode (CPU) or it is switched off.
+"""
 
 from __future__ import annotations
+
+import logging
+import threading
 
 import grpc
 
 import podrl
 from podrl.config import RunConfig
+from podrl.generator.engine import (
+    GeneratorUnavailableError,
+    InvalidRequestError,
+    SamplingRequest,
+    SleepUnsupportedError,
+    VllmEngine,
+)
+from podrl.generator.rw_lock import LockTimeoutError
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+from podrl.weights.errors import ManifestError
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
+    """Resolve proto3 zero values: n 0 → 1, top_p 0 → 1.0 (off), top_k 0 → off; a request must
+    set max_tokens (≥ 1). temperature 0 is greedy sampling."""
+    if params.max_tokens < 1:
+        raise InvalidRequestError("sampling.max_tokens must be ≥ 1")
+    if params.temperature < 0:
+        raise InvalidRequestError("sampling.temperature must be ≥ 0 (0 = greedy)")
+    if not 0.0 <= params.top_p <= 1.0:
+        raise InvalidRequestError("sampling.top_p must be in [0, 1] (0 = no nucleus filter)")
+    if params.top_k < -1:
+        raise InvalidRequestError("sampling.top_k must be ≥ -1 (0 or -1 = no top-k filter)")
+    if any(not s for s in params.stop):
+        raise InvalidRequestError("sampling.stop must not contain empty strings")
+    return SamplingRequest(
+        n=params.n or 1,
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=params.max_tokens,
+        stop=tuple(params.stop),
+        seed=params.seed if params.HasField("seed") else None,
+    )
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, engine: VllmEngine) -> None:
         self._config = config
+        self._engine = engine
+        self._ready = threading.Event()
+
+    def mark_ready(self) -> None:
+        self._ready.set()
+
+    def _require_ready(self, context: grpc.ServicerContext) -> None:
+        if not self._ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the vLLM engine is still loading")
+
+    def Generate(
+        self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.GenerateResponse:
+        self._require_ready(context)
+        if not request.prompts:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompts: at least one prompt")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            token_ids = []
+            for i, prompt in enumerate(request.prompts):
+                ids = list(prompt.token_ids) or self._engine.tokenize(prompt.text)
+                if not ids:
+                    raise InvalidRequestError(f"prompts[{i}]: neither token_ids nor text given")
+                token_ids.append(ids)
+            result = self._engine.generate(
+                token_ids,
+                sampling,
+                request.request_id,
+                timeout=context.time_remaining(),
+                on_cancel=lambda cancel: context.add_callback(cancel),
+            )
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except GeneratorUnavailableError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except (TimeoutError, LockTimeoutError) as err:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"generate: {err or 'deadline'}")
+        response = generator_pb2.GenerateResponse(policy_version=result.policy_version)
+        for prompt, out in zip(request.prompts, result.prompts, strict=True):
+            response.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.completions:
+                response.completion_tokens += len(c.token_ids)
+                response.samples.append(
+                    common_pb2.Sample(
+                        prompt_id=prompt.id,
+                        index=c.index,
+                        prompt_token_ids=out.prompt_token_ids,
+                        token_ids=c.token_ids,
+                        text=c.text,
+                        logprobs=c.logprobs,
+                        finish_reason=_FINISH_REASONS.get(
+                            c.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED
+                        ),
+                        policy_version=result.policy_version,
+                    )
+                )
+        return response
+
+    def ApplyWeights(
+        self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.ApplyWeightsResponse:
+        self._require_ready(context)
+        if not request.HasField("manifest"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest: required")
+        try:
+            result = self._engine.apply_manifest(request.manifest, context.time_remaining())
+        except ManifestError as err:
+            log.warning("manifest version %d rejected: %s", request.manifest.version, err)
+            context.abort(err.status_code, str(err))
+        except GeneratorUnavailableError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except (TimeoutError, LockTimeoutError) as err:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"apply weights: {err or 'deadline'}")
+        log.info(
+            "applied policy version %d in %.3fs (%s, plan cached: %s)",
+            result.policy_version,
+            result.seconds,
+            result.mode,
+            result.plan_cached,
+        )
+        return generator_pb2.ApplyWeightsResponse(
+            policy_version=result.policy_version,
+            apply_seconds=result.seconds,
+            plan_cached=result.plan_cached,
+        )
+
+    def Sleep(
+        self, request: generator_pb2.SleepRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.SleepResponse:
+        self._require_ready(context)
+        try:
+            self._engine.sleep(request.level or 1, context.time_remaining())
+        except SleepUnsupportedError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"level: {err}")
+        return generator_pb2.SleepResponse()
+
+    def WakeUp(
+        self, request: generator_pb2.WakeUpRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.WakeUpResponse:
+        self._require_ready(context)
+        try:
+            self._engine.wake_up(context.time_remaining())
+        except SleepUnsupportedError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return generator_pb2.WakeUpResponse()
 
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:
+        facts = self._engine.facts
+        details = {"state": "serving" if self._ready.is_set() else "loading"}
+        if facts is not None:
+            details |= {
+                "weight_apply_mode": facts.apply_mode,
+                "engine_start_seconds": f"{facts.start_seconds:.1f}",
+                **facts.extra,
+            }
+        gen = self._config.generator
         return generator_pb2.GeneratorInfo(
             info=common_pb2.ServiceInfo(
                 service="podrl.v1.Generator",
                 version=podrl.__version__,
                 worker_id=self._config.worker_id,
+                details=details,
             ),
-            policy_version=0,
-            device=self._config.device,
+            model=facts.model if facts else "",
+            policy_version=self._engine.policy_version,
+            tensor_parallel_size=gen.tensor_parallel_size,
+            device=facts.device if facts else self._config.device,
+            dtype=gen.dtype,
+            sleeping=self._engine.sleeping,
         )

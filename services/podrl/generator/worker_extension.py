@@ -69,27 +69,40 @@ class PodrlWorkerExtension:
             "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
         }
 
-    def podrl_apply_manifest(self, manifest_bytes: bytes, mode: str = "auto") -> dict[str, Any]:
+    def podrl_apply_manifest(
+        self, manifest_bytes: bytes, mode: str, trusted_publisher_id: str
+    ) -> dict[str, Any]:
         """Apply a serialised ``podrl.v1.WeightManifest`` (full or version-only).
 
-        The manifest's handles are opened once per model fingerprint (by the weights
-        receiver, which caches them); every call then reads the current bytes of that
-        storage. Raises ``podrl.weights.errors.ManifestError`` for a manifest this model
-        cannot take; nothing has been written then.
+        ``podrl.weights.WeightReceiver`` validates the manifest, opens its handles once per
+        fingerprint and runs its cached copy plan: in ``direct`` mode straight into vLLM's
+        (fused, tensor-parallel) parameters, in ``reload`` mode into full HF-named buffers that
+        vLLM's layer-wise reload then loads. A rejected manifest returns
+        ``{"error_kind", "error_message", "error_name"}`` (typed errors do not survive
+        ``collective_rpc``); nothing has been written then.
         """
         from podrl.v1 import weights_pb2
-        from podrl.weights.receiver import WeightReceiver
+        from podrl.weights.errors import ManifestError
 
         manifest = weights_pb2.WeightManifest.FromString(manifest_bytes)
-        if self._podrl_receiver is None:
-            self._podrl_receiver = WeightReceiver()
+        resolved = self._podrl_resolve_mode(mode)
+        receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
         start = time.perf_counter()
-        plan_cached = self._podrl_receiver.prepare(manifest)
-        tensors = self._podrl_receiver.full_tensors()
-        applied = self._podrl_write(tensors, mode)
+        try:
+            if resolved == "direct":
+                params = dict(self.model_runner.get_model().named_parameters())
+                applied = receiver.apply(manifest, destinations=params)
+            else:
+                applied = receiver.apply(manifest)
+        except ManifestError as err:
+            return {"error_kind": err.kind.value, "error_message": str(err), "error_name": err.name}
+        if resolved == "reload":
+            self._podrl_write(iter(applied), "reload")
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return {
-            "mode": applied,
-            "plan_cached": plan_cached,
+            "mode": resolved,
+            "plan_cached": applied.plan_cached,
             "seconds": time.perf_counter() - start,
         }
 
@@ -116,6 +129,35 @@ class PodrlWorkerExtension:
             self._podrl_receiver = None
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _podrl_get_receiver(self, mode: str, trusted_publisher_id: str) -> Any:
+        """One receiver per worker, built on first use: it holds the opened handles and the
+        cached copy plan between versions."""
+        if self._podrl_receiver is None:
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            from podrl.weights import ModelDescription, WeightReceiver, vllm_layout
+
+            description = ModelDescription.from_pretrained(self.vllm_config.model_config.model)
+            dtype = self.vllm_config.model_config.dtype
+            layout = None
+            if mode == "direct":
+                layout = vllm_layout(
+                    description,
+                    get_tensor_model_parallel_rank(),
+                    get_tensor_model_parallel_world_size(),
+                )
+            self._podrl_receiver = WeightReceiver(
+                description,
+                layout=layout,
+                dtype=dtype,
+                device="cpu" if mode == "reload" else self.device,
+                trusted_publisher_id=trusted_publisher_id,
+            )
+        return self._podrl_receiver
 
     def _podrl_resolve_mode(self, mode: str) -> str:
         if mode not in APPLY_MODES:
