@@ -20,6 +20,7 @@ from podrl.config.base import Section, ServiceSection
 from podrl.config.controller import ControllerConfig
 from podrl.config.generator import GeneratorConfig
 from podrl.config.grader import GraderConfig
+from podrl.config.loop import LoopConfig, SamplingConfig
 from podrl.config.tasks import TasksConfig
 from podrl.config.trainer import TrainerConfig
 from podrl.config.transport import GrpcConfig, LogConfig
@@ -30,7 +31,9 @@ __all__ = [
     "GraderConfig",
     "GrpcConfig",
     "LogConfig",
+    "LoopConfig",
     "RunConfig",
+    "SamplingConfig",
     "ServiceSection",
     "TrainerConfig",
 ]
@@ -57,4 +60,5 @@ class RunConfig(Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     grader: GraderConfig = Field(default_factory=GraderConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)

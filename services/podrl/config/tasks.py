@@ -32,8 +32,8 @@ class ReasoningGymSourceConfig(Section):
     chunk_size: int = Field(
         10_000,
         ge=1,
-        description="Items per generated chunk; chunk c is reseeded with seed + c, so the stream "
-        "never ends and stays deterministic.",
+        description="Items per generated dataset chunk; each chunk gets a seed derived from the "
+        "task seed and its number, so the stream never ends and stays deterministic.",
     )
 
 

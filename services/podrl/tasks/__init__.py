@@ -1,9 +1,9 @@
 """Task sources: deterministic, resumable prompt streams (imports neither torch nor vLLM).
 
-    source = build_task_source(run_config.tasks)
-    items = source.next_prompts(8)          # list[PromptItem]
-    saved = source.position()               # JSON-serialisable dict
-    source.restore(saved)                   # continue exactly there
+source = build_task_source(run_config.tasks)
+items = source.next_prompts(8)          # list[PromptItem]
+saved = source.position()               # JSON-serialisable dict
+source.restore(saved)                   # continue exactly there
 """
 
 from podrl.tasks.base import PositionError, PromptItem, TaskSource

@@ -67,8 +67,10 @@ def _read_rows(config: JsonlSourceConfig, field: str) -> list[tuple[str, Record]
         row_id = str(obj[config.id_field]) if config.id_field else str(number)
         metadata = {name: _text(obj[name]) for name in config.metadata_fields}
         rows.append(
-            (row_id, Record(_text(obj[config.prompt_field]), _text(obj[config.answer_field]),
-                            metadata))
+            (
+                row_id,
+                Record(_text(obj[config.prompt_field]), _text(obj[config.answer_field]), metadata),
+            )
         )
     if not rows:
         raise ValueError(f"{field}.path: {path} holds no rows")

@@ -1,8 +1,10 @@
 """Records generated locally by a ``reasoning-gym`` dataset (no downloads).
 
-Index ``i`` lies in chunk ``c = i // chunk_size`` at offset ``i % chunk_size``; chunk ``c`` is the
-dataset built with seed ``seed + c`` (reasoning-gym's own reseeding scheme), so the stream is
-endless and every item is fixed by (seed, i).
+Index ``i`` lies in chunk ``c = i // chunk_size`` at offset ``i % chunk_size``; chunk 0 is the
+dataset built with ``seed``, chunk ``c > 0`` the one built with a seed hashed from (seed, c), so
+the stream is endless and every item is fixed by (seed, i). (Not ``seed + c`` as reasoning-gym's
+ReseedingDataset does: its datasets seed item ``j`` with ``seed + j``, so consecutive chunks would
+repeat each other shifted by one.)
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from typing import Any
 
 from podrl.config.tasks import ReasoningGymSourceConfig
+from podrl.tasks.base import derive_seed
 from podrl.tasks.records import Record, RecordStream
 
 ENTRY_KEY = "reasoning_gym_entry"
@@ -24,8 +27,9 @@ class ReasoningGymRecords(RecordStream):
 
         if config.dataset not in reasoning_gym.factory.DATASETS:
             known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
-            raise ValueError(f"{field}.dataset: unknown reasoning-gym dataset "
-                             f"{config.dataset!r}; known: {known}")
+            raise ValueError(
+                f"{field}.dataset: unknown reasoning-gym dataset {config.dataset!r}; known: {known}"
+            )
         self._create = reasoning_gym.create_dataset
         self._config, self._seed, self._field = config, seed, field
         self._chunk: tuple[int, Any] | None = None
@@ -36,7 +40,7 @@ class ReasoningGymRecords(RecordStream):
             try:
                 dataset = self._create(
                     self._config.dataset,
-                    seed=(self._seed + chunk) % 2**32,
+                    seed=self._seed if chunk == 0 else derive_seed(self._seed, f"chunk:{chunk}"),
                     size=self._config.chunk_size,
                     **self._config.params,
                 )

@@ -13,7 +13,9 @@ class TaskStream(TaskSource):
 
     def __init__(self, config: TaskConfig, records: RecordStream, field: str) -> None:
         self._config, self._records = config, records
-        self._template = PromptTemplate(config.template, config.template_format, f"{field}.template")
+        self._template = PromptTemplate(
+            config.template, config.template_format, f"{field}.template"
+        )
         self._target = PromptTemplate(config.target_template, "format", f"{field}.target_template")
         self._next = 0
         self.item(0)  # a template that cannot render fails at construction, naming the field

@@ -79,12 +79,32 @@ class ScoreResponse(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[ItemScore]
     def __init__(self, scores: _Optional[_Iterable[_Union[ItemScore, _Mapping]]] = ...) -> None: ...
 
+class TaskRewardInfo(_message.Message):
+    __slots__ = ("task", "components", "weights", "sources", "fallback_reward")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REWARD_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    components: _containers.RepeatedScalarFieldContainer[str]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    fallback_reward: float
+    def __init__(self, task: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., sources: _Optional[_Iterable[str]] = ..., fallback_reward: _Optional[float] = ...) -> None: ...
+
 class GraderInfo(_message.Message):
-    __slots__ = ("info", "tasks", "reward_functions")
+    __slots__ = ("info", "tasks", "reward_functions", "task_rewards", "item_timeout_seconds", "workers")
     INFO_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    TASK_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServiceInfo
     tasks: _containers.RepeatedScalarFieldContainer[str]
     reward_functions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., reward_functions: _Optional[_Iterable[str]] = ...) -> None: ...
+    task_rewards: _containers.RepeatedCompositeFieldContainer[TaskRewardInfo]
+    item_timeout_seconds: float
+    workers: int
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., reward_functions: _Optional[_Iterable[str]] = ..., task_rewards: _Optional[_Iterable[_Union[TaskRewardInfo, _Mapping]]] = ..., item_timeout_seconds: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...

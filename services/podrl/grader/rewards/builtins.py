@@ -114,9 +114,7 @@ def length_penalty(
     return -penalty * over / (max_chars - free_chars)
 
 
-def math_verify_reward(
-    completion: str, reference: str, *, answer_tag: str | None = None
-) -> float:
+def math_verify_reward(completion: str, reference: str, *, answer_tag: str | None = None) -> float:
     """1.0 when math-verify finds the answer equivalent to the reference (fractions, decimals,
     LaTeX, sets, intervals, percentages, ``\\boxed{}``, text units such as ``\\text{cm}``)."""
     from math_verify import parse, verify

@@ -1,0 +1,156 @@
+"""Reward functions run in a pool of worker processes (pebble), one item per task, so one item
+that raises, hangs or kills its process fails alone: it gets an error flag and the fallback
+reward, the rest of the batch is scored, and pebble replaces the dead or killed worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+from pebble import ProcessExpired, ProcessFuture, ProcessPool
+
+from podrl.grader.rewards.plan import ItemInput, TaskRewardPlan, score_item
+from podrl.v1 import grader_pb2
+
+log = logging.getLogger(__name__)
+
+ALWAYS_PRELOADED = ["podrl.grader.rewards.builtins", "podrl.grader.rewards.plan"]
+
+
+@dataclass
+class ItemResult:
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    error: int = grader_pb2.SCORE_ERROR_NONE
+    error_message: str = ""
+    seconds: float = 0.0
+
+
+class ScoringPool:
+    """``workers`` processes; each item may run ``item_timeout`` seconds before its worker is
+    killed. Thread-safe: concurrent batches share the workers."""
+
+    def __init__(
+        self,
+        workers: int,
+        item_timeout: float,
+        start_method: str = "forkserver",
+        preload: Sequence[str] = (),
+    ) -> None:
+        self.workers, self.item_timeout = workers, item_timeout
+        self._context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # The fork server imports these once; forked workers start with them loaded, so a
+            # replaced worker is ready in milliseconds.
+            self._context.set_forkserver_preload([*ALWAYS_PRELOADED, *preload])
+        self._lock = threading.Lock()
+        self._pool: ProcessPool | None = None
+        self._closed = False
+
+    def _active_pool(self) -> ProcessPool:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scoring pool is closed")
+            if self._pool is None or not self._pool.active:
+                if self._pool is not None:
+                    log.warning("scoring pool stopped unexpectedly; starting a new one")
+                self._pool = ProcessPool(max_workers=self.workers, context=self._context)
+            return self._pool
+
+    def warm_up(self) -> None:
+        """Start the workers now rather than on the first batch."""
+        self._active_pool()
+
+    def score(
+        self,
+        jobs: Sequence[tuple[TaskRewardPlan, ItemInput]],
+        cancelled: threading.Event | None = None,
+    ) -> list[ItemResult]:
+        """One result per job, in order; never raises for a job's own failure."""
+        pool = self._active_pool()
+        started = time.perf_counter()
+        futures = [
+            pool.schedule(score_item, args=(plan, item), timeout=self.item_timeout)
+            for plan, item in jobs
+        ]
+        # pebble's timeout runs from when an item starts; queued items wait for a free worker.
+        bound = self.item_timeout * (math.ceil(len(jobs) / self.workers) + 1) + 30.0
+        results = []
+        for (plan, _item), future in zip(jobs, futures, strict=True):
+            remaining = max(bound - (time.perf_counter() - started), 0.01)
+            results.append(self._result(plan, future, remaining, started, cancelled))
+        return results
+
+    def _result(
+        self,
+        plan: TaskRewardPlan,
+        future: ProcessFuture,
+        remaining: float,
+        started: float,
+        cancelled: threading.Event | None,
+    ) -> ItemResult:
+        def failed(error: int, message: str) -> ItemResult:
+            return ItemResult(
+                plan.fallback_reward,
+                error=error,
+                error_message=message[:1000],
+                seconds=time.perf_counter() - started,
+            )
+
+        deadline = time.monotonic() + remaining
+        while not future.done():
+            if cancelled is not None and cancelled.is_set():
+                future.cancel()  # pebble kills the worker of a running item
+            elif time.monotonic() > deadline:
+                future.cancel()
+                return failed(grader_pb2.SCORE_ERROR_TIMEOUT, "no result within the batch bound")
+            wait_futures([future], timeout=0.2)
+        try:
+            output = future.result(timeout=0)
+        except FutureTimeout as err:
+            if getattr(err, "traceback", None) is not None:  # raised inside the reward function
+                return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
+            return failed(
+                grader_pb2.SCORE_ERROR_TIMEOUT,
+                f"reward functions of task {plan.task!r} ran past {self.item_timeout:g}s; the "
+                "worker was killed and replaced",
+            )
+        except ProcessExpired as err:
+            return failed(
+                grader_pb2.SCORE_ERROR_WORKER_DIED,
+                f"the worker process died (exit code {err.exitcode}) while scoring task "
+                f"{plan.task!r}; it was replaced",
+            )
+        except CancelledError:
+            return failed(grader_pb2.SCORE_ERROR_TIMEOUT, "cancelled: the caller went away")
+        except Exception as err:  # the reward function raised
+            log.warning(
+                "reward of task %s raised %s\n%s",
+                plan.task,
+                _describe(err),
+                getattr(err, "traceback", ""),
+            )
+            return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
+        return ItemResult(output.reward, output.components, seconds=output.seconds)
+
+    def close(self) -> None:
+        """Stop the workers (running items are abandoned)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join(timeout=10)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
