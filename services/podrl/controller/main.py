@@ -1,4 +1,4 @@
-"""``podrl-controller``: gRPC membership service plus the REST API on one process."""
+"""``podrl-controller``: gRPC membership service, REST API and (when configured) the GRPO loop."""
 
 from __future__ import annotations
 
@@ -9,20 +9,22 @@ import uvicorn
 
 from podrl.common.service import ServiceSpec, serve
 from podrl.config import RunConfig
+from podrl.controller.clients import WorkerClients
+from podrl.controller.loop import GrpoLoop
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
+from podrl.controller.run_store import RunStore
 from podrl.controller.servicer import ControllerServicer
 from podrl.controller.status import RunState
+from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2_grpc
 
 
 class RestServer:
     """uvicorn in a background thread; the main thread owns signals (see common.service)."""
 
-    def __init__(self, state: RunState, host: str, port: int) -> None:
-        config = uvicorn.Config(
-            build_rest_app(state), host=host, port=port, log_config=None, access_log=False
-        )
+    def __init__(self, app: object, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="rest", daemon=True)
 
@@ -34,11 +36,35 @@ class RestServer:
         self._thread.join(timeout=10)
 
 
+class LoopRunner:
+    """Runs the GRPO loop in a thread; stop() lets the current RPC finish, then ends it."""
+
+    def __init__(self, loop: GrpoLoop) -> None:
+        self._loop = loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=loop.run, args=(self._stop,), name="grpo-loop")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def build_spec(config: RunConfig) -> ServiceSpec:
     section = config.controller
     registry = MemberRegistry(section.heartbeat_timeout_seconds)
-    state = RunState(config.name, registry, section.min_worker_pods)
+    state = RunState(config.name, registry, section.min_worker_pods, config.loop.steps)
+    store = RunStore(config.run_dir / "controller.sqlite")
     servicer = ControllerServicer(state, section.heartbeat_interval_seconds)
+    side_servers: list = [
+        RestServer(build_rest_app(state, store), section.bind_host, section.http_port)
+    ]
+    clients = WorkerClients(config.grpc)
+    if config.loop.steps:
+        source = build_task_source(config.tasks)  # a bad task config fails here, at start
+        side_servers.append(LoopRunner(GrpoLoop(config, state, store, clients, source)))
     return ServiceSpec(
         name="controller",
         grpc_service="podrl.v1.Controller",
@@ -46,7 +72,8 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         add_servicers=lambda server: controller_pb2_grpc.add_ControllerServicer_to_server(
             servicer, server
         ),
-        side_servers=[RestServer(state, section.bind_host, section.http_port)],
+        side_servers=side_servers,
+        on_close=[clients.close, store.close],
     )
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import podrl
-from podrl.controller.status import RunState, RunStatusView, WorkerView
+from podrl.controller.run_store import RunStore
+from podrl.controller.status import RunState, RunStatusView, StepView, WorkerView
 
 
-def build_rest_app(state: RunState) -> FastAPI:
+def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
     app = FastAPI(
         title="podrl controller",
         version=podrl.__version__,
@@ -42,6 +43,15 @@ def build_rest_app(state: RunState) -> FastAPI:
     @app.get("/v1/workers", response_model=list[WorkerView], summary="Registered processes.")
     def workers() -> list[WorkerView]:
         return state.view().workers
+
+    @app.get("/v1/steps", response_model=list[StepView], summary="Step history.")
+    def steps(
+        since: int = Query(0, ge=0, description="Only steps after this one."),
+        limit: int = Query(1000, ge=1, le=100_000, description="At most this many steps."),
+    ) -> list[StepView]:
+        if store is None:
+            return []
+        return [StepView(**vars(r)) for r in store.steps(since=since, limit=limit)]
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format).")
     def metrics() -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -33,13 +34,31 @@ class RunStatusView(BaseModel):
     healthy_pods: list[str]
     workers: list[WorkerView]
     phase_seconds: dict[str, float] = Field(description="Phase durations of the last step.")
+    last_step_metrics: dict[str, Any] = Field(
+        description="Reward, loss, KL, entropy, ... of the last step."
+    )
+    steps_total: int = Field(description="Steps the run is configured for (loop.steps).")
+    error: str | None = Field(description="The last step or run error, if any.")
     uptime_seconds: float
+
+
+class StepView(BaseModel):
+    step: int
+    policy_version: int
+    finished_at: float = Field(description="Unix time the step finished.")
+    metrics: dict[str, Any]
 
 
 class RunState:
     """What the controller knows about the run; the loop updates it, status pages read it."""
 
-    def __init__(self, run_name: str, registry: MemberRegistry, min_worker_pods: int) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        registry: MemberRegistry,
+        min_worker_pods: int,
+        steps_total: int = 0,
+    ) -> None:
         self.run_name = run_name
         self.registry = registry
         self.min_worker_pods = min_worker_pods
@@ -49,6 +68,34 @@ class RunState:
         self.policy_version = 0
         self.phase = "idle"
         self.phase_seconds: dict[str, float] = {}
+        self.last_step_metrics: dict[str, Any] = {}
+        self.steps_total = steps_total
+        self.error: str | None = None
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+
+    def set_error(self, error: str | None) -> None:
+        with self._lock:
+            self.error = error
+
+    def resume(self, step: int, policy_version: int) -> None:
+        with self._lock:
+            self.step, self.policy_version = step, policy_version
+
+    def finish_step(
+        self,
+        step: int,
+        policy_version: int,
+        phase_seconds: dict[str, float],
+        metrics: dict[str, Any],
+    ) -> None:
+        with self._lock:
+            self.step, self.policy_version = step, policy_version
+            self.phase_seconds = dict(phase_seconds)
+            self.last_step_metrics = dict(metrics)
+            self.error = None
 
     def is_ready(self) -> bool:
         return len(self.registry.healthy_pods()) >= self.min_worker_pods
@@ -57,7 +104,8 @@ class RunState:
         pods = self.registry.healthy_pods()
         ready = len(pods) >= self.min_worker_pods
         with self._lock:
-            phase = self.phase if ready else "waiting_for_workers"
+            waiting = not ready and self.phase not in ("finished", "failed")
+            phase = "waiting_for_workers" if waiting else self.phase
             return RunStatusView(
                 run_name=self.run_name,
                 phase=phase,
@@ -67,6 +115,9 @@ class RunState:
                 healthy_pods=pods,
                 workers=[WorkerView(**vars(m)) for m in self.registry.members()],
                 phase_seconds=dict(self.phase_seconds),
+                last_step_metrics=dict(self.last_step_metrics),
+                steps_total=self.steps_total,
+                error=self.error,
                 uptime_seconds=round(time.monotonic() - self.started, 3),
             )
 

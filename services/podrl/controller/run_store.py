@@ -1,0 +1,150 @@
+"""The controller's durable run state: SQLite in the run directory.
+
+What must survive a controller restart: every completed step (metrics, the data position after
+it, the policy version it produced) and the step in flight (its data position before and after,
+recorded BEFORE Train is called, so a restart can tell whether the trainer applied it).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY,
+    policy_version INTEGER NOT NULL,
+    position_after TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    finished_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pending (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    step INTEGER NOT NULL,
+    position_before TEXT NOT NULL,
+    position_after TEXT NOT NULL,
+    prompt_ids TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    policy_version: int
+    position_after: dict[str, Any]
+    metrics: dict[str, Any]
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    step: int
+    position_before: dict[str, Any]
+    position_after: dict[str, Any]
+    prompt_ids: list[str]
+
+
+class RunStore:
+    """Thread-safe access to ``<run_dir>/controller.sqlite``."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- steps ---------------------------------------------------------------------------------
+    def record_step(self, record: StepRecord) -> None:
+        """Store a finished step and clear the pending marker, in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?)",
+                (
+                    record.step,
+                    record.policy_version,
+                    json.dumps(record.position_after),
+                    json.dumps(record.metrics),
+                    record.finished_at,
+                ),
+            )
+            self._db.execute("DELETE FROM pending")
+            self._db.execute("COMMIT")
+
+    def steps(self, since: int = 0, limit: int = 10_000) -> list[StepRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT step, policy_version, position_after, metrics, finished_at FROM steps "
+                "WHERE step > ? ORDER BY step LIMIT ?",
+                (since, limit),
+            ).fetchall()
+        return [
+            StepRecord(row[0], row[1], json.loads(row[2]), json.loads(row[3]), row[4])
+            for row in rows
+        ]
+
+    def step(self, step: int) -> StepRecord | None:
+        found = self.steps(since=step - 1, limit=1)
+        return found[0] if found and found[0].step == step else None
+
+    def last_step(self) -> StepRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT MAX(step) FROM steps").fetchone()
+        return self.step(row[0]) if row and row[0] is not None else None
+
+    def forget_steps_after(self, step: int) -> int:
+        """Drop history past ``step`` (the trainer came back from an older checkpoint)."""
+        with self._lock:
+            return self._db.execute("DELETE FROM steps WHERE step > ?", (step,)).rowcount
+
+    # -- the step in flight --------------------------------------------------------------------
+    def set_pending(self, pending: PendingStep) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO pending VALUES (1, ?, ?, ?, ?)",
+                (
+                    pending.step,
+                    json.dumps(pending.position_before),
+                    json.dumps(pending.position_after),
+                    json.dumps(pending.prompt_ids),
+                ),
+            )
+
+    def pending(self) -> PendingStep | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT step, position_before, position_after, prompt_ids FROM pending"
+            ).fetchone()
+        if row is None:
+            return None
+        return PendingStep(row[0], json.loads(row[1]), json.loads(row[2]), json.loads(row[3]))
+
+    def clear_pending(self) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM pending")
+
+    # -- small values --------------------------------------------------------------------------
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+
+def now() -> float:
+    return time.time()
