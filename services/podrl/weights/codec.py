@@ -38,13 +38,17 @@ def placements_to_wire(placements: Sequence[object]) -> list[weights_pb2.Placeme
 
     out = []
     for placement in placements:
-        if isinstance(placement, Shard):
-            split_factor = int(getattr(placement, "split_factor", 1))
+        if hasattr(placement, "split_factor"):
+            # torch's _StridedShard (FSDP2 over a TP-sharded dim); not a Shard subclass.
             out.append(
                 weights_pb2.Placement(
-                    shard=weights_pb2.ShardPlacement(dim=placement.dim, split_factor=split_factor)
+                    shard=weights_pb2.ShardPlacement(
+                        dim=placement.dim, split_factor=int(placement.split_factor)
+                    )
                 )
             )
+        elif isinstance(placement, Shard):
+            out.append(weights_pb2.Placement(shard=weights_pb2.ShardPlacement(dim=placement.dim)))
         elif isinstance(placement, Replicate):
             out.append(weights_pb2.Placement(replicate=weights_pb2.ReplicatePlacement()))
         elif isinstance(placement, Partial):
