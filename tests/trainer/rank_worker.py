@@ -1,0 +1,112 @@
+"""Scenarios run inside trainer ranks spawned by the tests (one process per rank, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from podrl.v1 import trainer_pb2
+
+
+def make_request(seed: int, sequences: int = 6, version: int = 0) -> trainer_pb2.TrainRequest:
+    """A deterministic batch: random prompts/completions of varied lengths, plausible logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = trainer_pb2.TrainRequest(policy_version=version)
+    for i in range(sequences):
+        prompt = torch.randint(
+            3, 120, (int(torch.randint(2, 8, (1,), generator=gen)),), generator=gen
+        )
+        completion = torch.randint(
+            3, 120, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen
+        )
+        logprobs = -4.85 + 0.3 * torch.randn(len(completion), generator=gen)
+        out.sequences.add(
+            sample_id=f"s{seed}-{i}",
+            prompt_ids=prompt.tolist(),
+            completion_ids=completion.tolist(),
+            generator_logprobs=logprobs.clamp(max=-0.01).tolist(),
+            advantage=float(torch.randn(1, generator=gen)),
+            policy_version=version,
+        )
+    return out
+
+
+def config_env(model_dir: str, run_dir: str, **trainer: object) -> dict[str, str]:
+    env = {
+        "PODRL_DEVICE": "cpu",
+        "PODRL_RUN_DIR": run_dir,
+        "PODRL_TRAINER__MODEL_PATH": model_dir,
+        "PODRL_TRAINER__LR": "1e-3",
+        "PODRL_TRAINER__MICRO_BATCH_SIZE": "2",
+    }
+    env.update({f"PODRL_TRAINER__{k.upper()}": str(v) for k, v in trainer.items()})
+    return env
+
+
+def _engine(env: dict[str, str]):
+    from podrl.config import load_config
+    from podrl.trainer.engine import TrainerEngine
+
+    return TrainerEngine(load_config(None, {**os.environ, **env}))
+
+
+def _metrics(reply: trainer_pb2.TrainResponse) -> dict[str, float]:
+    m = reply.metrics
+    return {
+        "loss": m.loss,
+        "pg_loss": m.pg_loss,
+        "kl": m.kl,
+        "entropy": m.entropy,
+        "ratio_mean": m.ratio_mean,
+        "clip_fraction": m.clip_fraction,
+        "grad_norm": m.grad_norm,
+        "logprob_diff_mean": m.logprob_diff_mean,
+        "logprob_diff_max": m.logprob_diff_max,
+        "tokens": m.tokens,
+    }
+
+
+def scenario(
+    rank: int, world: int, port: int, env: dict[str, str], plan: list[list], out: str
+) -> None:
+    """Run ``plan`` (a list of ["train", seed] | ["save", dir, blob] | ["load", dir] |
+    ["export", dir] | ["logits", seed]) on this rank; rank 0 writes the results to ``out``."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    engine = _engine(env)
+    results: list[object] = []
+    try:
+        for step in plan:
+            kind = step[0]
+            if kind == "train":
+                request = make_request(step[1], version=engine.policy_version)
+                results.append(_metrics(engine.train_step(request)))
+            elif kind == "save":
+                engine.save_checkpoint(Path(step[1]), step[2].encode())
+                results.append(None)
+            elif kind == "load":
+                blob = engine.load_checkpoint(Path(step[1]))
+                results.append(
+                    {"blob": blob.decode(), "step": engine.step, "version": engine.policy_version}
+                )
+            elif kind == "export":
+                results.append(engine.export_hf(Path(step[1])))
+            elif kind == "logits":
+                ids = torch.tensor([s.prompt_ids for s in make_request(step[1]).sequences[:1]])
+                logits = engine.logits(ids)
+                torch.save(logits.cpu(), step[2]) if rank == 0 else None
+                results.append(None)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        engine.close()

@@ -1,0 +1,111 @@
+"""Each loss mode against values worked out by hand from the formulas in docs/algorithms.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from podrl.algorithms.losses import BatchTotals, LossSettings, k3_kl, policy_loss
+
+# Two sequences, three token slots; slot 2 of sequence 0 is padding (mask 0).
+RATIOS = [[1.5, 0.7, 1.0], [0.5, 1.3, 1.0]]
+LOGP = [[-1.0, -2.0, -0.5], [-1.5, -1.0, -3.0]]
+MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+ADV = [1.0, -2.0]
+TOTALS = BatchTotals(num_sequences=2, num_tokens=5)
+# With eps_low = 0.2, eps_high = 0.28, per token -min(r A, clip(r, 0.8, 1.28) A):
+#   seq 0 (A = +1): r=1.5 → clipped to 1.28 → -1.28;  r=0.7 → -0.7 (below 0.8 but A>0: unclipped)
+#   seq 1 (A = -2): r=0.5 → clipped to 0.8 → +1.6;  r=1.3 → +2.6 (A<0: high side unclipped);
+#                   r=1.0 → +2.0
+PG = [[-1.28, -0.7, 0.0], [1.6, 2.6, 2.0]]
+CLIPPED = 2  # seq 0 token 0 and seq 1 token 0
+
+
+def _inputs():
+    logp = torch.tensor(LOGP, requires_grad=True)
+    generator = torch.tensor(LOGP) - torch.log(torch.tensor(RATIOS))
+    # Garbage in the padding slot must not matter.
+    generator[0, 2] = -1e9
+    return logp, generator, torch.tensor(ADV), torch.tensor(MASK)
+
+
+def _settings(mode: str, **kw) -> LossSettings:
+    return LossSettings(mode=mode, clip_eps_low=0.2, clip_eps_high=0.28, **kw)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # mean over sequences of per-sequence token means
+        ("grpo", ((-1.28 - 0.7) / 2 + (1.6 + 2.6 + 2.0) / 3) / 2),
+        # token-level mean over all 5 completion tokens
+        ("dapo", (-1.28 - 0.7 + 1.6 + 2.6 + 2.0) / 5),
+        # token sum over B * L_max = 2 * 4
+        ("dr_grpo", (-1.28 - 0.7 + 1.6 + 2.6 + 2.0) / (2 * 4)),
+    ],
+)
+def test_loss_modes_match_hand_computed(mode, expected):
+    logp, generator, adv, mask = _inputs()
+    terms = policy_loss(logp, generator, adv, mask, _settings(mode, dr_grpo_max_tokens=4), TOTALS)
+    assert terms.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert terms.pg_loss.item() == pytest.approx(expected, abs=1e-6)
+    assert terms.kl.item() == 0.0
+    assert terms.clipped_tokens.item() == CLIPPED
+    assert terms.tokens.item() == 5
+    assert terms.ratio_sum.item() == pytest.approx(1.5 + 0.7 + 0.5 + 1.3 + 1.0, abs=1e-6)
+
+
+def test_gradient_is_zero_on_clipped_and_masked_tokens():
+    logp, generator, adv, mask = _inputs()
+    policy_loss(logp, generator, adv, mask, _settings("dapo"), TOTALS).loss.backward()
+    # d/dlogp of -r*A/N is -A*r/N on unclipped tokens; clipped and padding tokens get 0.
+    expected = [[0.0, -1.0 * 0.7 / 5, 0.0], [0.0, 2.0 * 1.3 / 5, 2.0 * 1.0 / 5]]
+    assert torch.allclose(logp.grad, torch.tensor(expected), atol=1e-6)
+
+
+def test_symmetric_clip_changes_which_tokens_clip():
+    logp, generator, adv, mask = _inputs()
+    settings = LossSettings(mode="dapo", clip_eps_low=0.2, clip_eps_high=0.2)
+    terms = policy_loss(logp, generator, adv, mask, settings, TOTALS)
+    # seq 1 token 1 (r=1.3, A<0) is still unclipped; seq 0 token 0 clips at 1.2 instead of 1.28.
+    assert terms.loss.item() == pytest.approx((-1.2 - 0.7 + 1.6 + 2.6 + 2.0) / 5, abs=1e-6)
+
+
+def test_k3_kl_penalty():
+    logp, generator, adv, mask = _inputs()
+    delta = [[0.5, -0.5, 9.0], [0.0, 1.0, -1.0]]  # ref - logp; the padding slot is ignored
+    ref = torch.tensor(LOGP) + torch.tensor(delta)
+    k3 = [math.exp(d) - d - 1 for d in (0.5, -0.5, 0.0, 1.0, -1.0)]
+    terms = policy_loss(logp, generator, adv, mask, _settings("dapo", kl_coef=0.1), TOTALS, ref)
+    pg = (-1.28 - 0.7 + 1.6 + 2.6 + 2.0) / 5
+    assert terms.kl.item() == pytest.approx(sum(k3) / 5, abs=1e-6)
+    assert terms.loss.item() == pytest.approx(pg + 0.1 * sum(k3) / 5, abs=1e-6)
+    assert k3_kl(torch.zeros(3), torch.zeros(3)).abs().max().item() == 0.0
+
+
+def test_truncated_importance_sampling():
+    logp, generator, adv, mask = _inputs()
+    terms = policy_loss(logp, generator, adv, mask, _settings("dapo", tis_cap=1.2), TOTALS)
+    # weights min(r, 1.2) = [1.2, 0.7] and [0.5, 1.2, 1.0]; ratio vs the trainer itself is 1.
+    expected = (-1.2 - 0.7 + 0.5 * 2 + 1.2 * 2 + 1.0 * 2) / 5
+    assert terms.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert terms.clipped_tokens.item() == 0
+    terms.loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(-1.2 / 5, abs=1e-6)
+    assert logp.grad[0, 2].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_sum_to_the_batch_loss(mode):
+    logp, generator, adv, mask = _inputs()
+    settings = _settings(mode, dr_grpo_max_tokens=4)
+    whole = policy_loss(logp, generator, adv, mask, settings, TOTALS).loss.item()
+    parts = sum(
+        policy_loss(
+            logp[i : i + 1], generator[i : i + 1], adv[i : i + 1], mask[i : i + 1], settings, TOTALS
+        ).loss.item()
+        for i in range(2)
+    )
+    assert parts == pytest.approx(whole, abs=1e-6)
