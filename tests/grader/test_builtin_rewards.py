@@ -63,6 +63,8 @@ def test_exact_match() -> None:
     assert exact_match("so <answer>7</answer>", "7", answer_tag="answer") == 1.0
     assert exact_match("<answer>8</answer>", "7", answer_tag="answer") == 0.0
     assert exact_match("7", "7", answer_tag="answer") == 0.0  # the tags are required
+    assert exact_match("7\n+1=8 and more", "7", stop="\n") == 1.0
+    assert exact_match("7\n+1=8 and more", "7") == 0.0
 
 
 def test_regex_match() -> None:
@@ -91,6 +93,7 @@ def test_char_match_gives_partial_credit() -> None:
     assert char_match("cbaaa", "cba") == pytest.approx(3 / 5)  # extra characters cost
     assert char_match("xyz", "cba") == 0.0
     assert char_match("", "cba") == 0.0
+    assert char_match("cb\nxyz", "cba", stop="\n") == pytest.approx(2 / 3)
 
 
 def test_length_penalty() -> None:

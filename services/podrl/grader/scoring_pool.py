@@ -5,6 +5,7 @@ reward, the rest of the batch is scored, and pebble replaces the dead or killed 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import multiprocessing
@@ -52,6 +53,7 @@ class ScoringPool:
             # The fork server imports these once; forked workers start with them loaded, so a
             # replaced worker is ready in milliseconds.
             self._context.set_forkserver_preload([*ALWAYS_PRELOADED, *preload])
+        self._preload = [*ALWAYS_PRELOADED, *preload]
         self._lock = threading.Lock()
         self._pool: ProcessPool | None = None
         self._closed = False
@@ -66,9 +68,17 @@ class ScoringPool:
                 self._pool = ProcessPool(max_workers=self.workers, context=self._context)
             return self._pool
 
-    def warm_up(self) -> None:
-        """Start the workers now rather than on the first batch."""
-        self._active_pool()
+    def warm_up(self, timeout: float = 120.0) -> None:
+        """Start the workers and import the reward modules in them now, so the first batch does
+        not pay for it (nor risk its items' timeouts on slow imports)."""
+        pool = self._active_pool()
+        futures = [
+            pool.schedule(_import_modules, args=(self._preload,)) for _ in range(self.workers)
+        ]
+        done, _ = wait_futures(futures, timeout=timeout)
+        for future in done:
+            if future.exception() is not None:
+                log.warning("warming up a scoring worker failed: %s", future.exception())
 
     def score(
         self,
@@ -150,6 +160,12 @@ class ScoringPool:
         if pool is not None:
             pool.stop()
             pool.join(timeout=10)
+
+
+def _import_modules(names: Sequence[str]) -> None:
+    for name in names:
+        importlib.import_module(name)
+    time.sleep(0.05)  # hold this worker briefly so the next warm-up task goes to another one
 
 
 def _describe(err: BaseException) -> str:

@@ -15,6 +15,11 @@ from functools import cache
 from typing import Any
 
 
+def cut_at(completion: str, stop: str | None) -> str:
+    """The completion up to the first ``stop`` marker (all of it when None or absent)."""
+    return completion if not stop else completion.split(stop, 1)[0]
+
+
 def extract_tagged(completion: str, tag: str | None) -> str | None:
     """The text inside the last ``<tag>...</tag>`` (stripped), or the completion when ``tag`` is
     None; None when the tags are missing."""
@@ -31,9 +36,11 @@ def exact_match(
     answer_tag: str | None = None,
     strip: bool = True,
     case_sensitive: bool = True,
+    stop: str | None = None,
 ) -> float:
-    """1.0 when the answer equals the reference (after stripping whitespace, by default)."""
-    answer = extract_tagged(completion, answer_tag)
+    """1.0 when the answer equals the reference (after stripping whitespace, by default).
+    ``stop`` cuts the completion at its first occurrence (e.g. ``"\n"``) before comparing."""
+    answer = extract_tagged(cut_at(completion, stop), answer_tag)
     if answer is None:
         return 0.0
     if strip:
@@ -83,11 +90,17 @@ def format_reward(
 
 
 def char_match(
-    completion: str, reference: str, *, answer_tag: str | None = None, strip: bool = True
+    completion: str,
+    reference: str,
+    *,
+    answer_tag: str | None = None,
+    strip: bool = True,
+    stop: str | None = None,
 ) -> float:
     """Share of positions where answer and reference agree, over the longer length: partial
-    credit for short string answers (1.0 = identical, 0.0 = nothing in place)."""
-    answer = extract_tagged(completion, answer_tag)
+    credit for short string answers (1.0 = identical, 0.0 = nothing in place). ``stop`` as in
+    exact_match."""
+    answer = extract_tagged(cut_at(completion, stop), answer_tag)
     if answer is None:
         return 0.0
     if strip:
