@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 CONFIG = dict(
     architectures=["Qwen3ForCausalLM"],
@@ -18,7 +17,10 @@ CONFIG = dict(
 )
 
 
-def make_model(seed: int = 0) -> Qwen3ForCausalLM:
+def make_model(seed: int = 0) -> torch.nn.Module:
+    # transformers is imported here so that processes needing only CONFIG start fast.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3ForCausalLM(Qwen3Config(**CONFIG))

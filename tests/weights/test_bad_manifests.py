@@ -1,0 +1,159 @@
+"""Manifests that do not fit are refused with the right kind, and nothing changes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from podrl.v1 import weights_pb2
+from podrl.weights import (
+    ManifestAssembler,
+    ManifestError,
+    ManifestErrorKind,
+    ModelDescription,
+    PublishError,
+    WeightPublisher,
+    WeightReceiver,
+    publish_single_process,
+)
+from tests.weights.tiny_qwen3 import CONFIG
+
+Kind = ManifestErrorKind
+DESCRIPTION = ModelDescription.from_hf_config(CONFIG)
+
+
+class Trainer:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.params = {n: torch.randn(s) for n, s in DESCRIPTION.params.items()}
+        self.publisher = WeightPublisher(lambda: self.params)
+        self.assembler = ManifestAssembler("trainer-0")
+
+    def publish(self, version: int, **kwargs: object) -> weights_pb2.WeightManifest:
+        return publish_single_process(self.publisher, self.assembler, version, **kwargs)
+
+
+@pytest.fixture
+def trainer() -> Iterator[Trainer]:
+    trainer = Trainer()
+    yield trainer
+    trainer.publisher.close()
+
+
+@pytest.fixture
+def receiver() -> WeightReceiver:
+    return WeightReceiver(DESCRIPTION, trusted_publisher_id="trainer-0")
+
+
+def _rejects(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCode) -> None:
+    before_version = receiver.version
+    before = (
+        {n: t.clone() for n, t in receiver._cached.destinations.items()} if receiver._cached else {}
+    )
+    with pytest.raises(ManifestError) as error:
+        receiver.apply(manifest)
+    assert error.value.kind is kind, error.value
+    assert error.value.status_code == code
+    assert receiver.version == before_version
+    if before:
+        assert all(torch.equal(receiver._cached.destinations[n], t) for n, t in before.items())
+
+
+def _copy(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+    return weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
+
+
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_wrong_name_shape_dtype_missing_coverage(trainer, receiver) -> None:
+    good = trainer.publish(1)
+    bad = _copy(good)
+    bad.shards[0].name = "model.layers.0.self_attn.qkv.weight"
+    _rejects(receiver, bad, Kind.UNKNOWN_NAME, INVALID)
+
+    bad = _copy(good)
+    bad.shards[1].global_shape[0] += 1
+    _rejects(receiver, bad, Kind.SHAPE, INVALID)
+
+    bad = _copy(good)
+    bad.shards[2].dtype = weights_pb2.DTYPE_INT8
+    _rejects(receiver, bad, Kind.DTYPE, INVALID)
+
+    bad = _copy(good)
+    bad.shards[2].dtype = weights_pb2.DTYPE_UNSPECIFIED
+    _rejects(receiver, bad, Kind.DTYPE, INVALID)
+
+    bad = _copy(good)
+    del bad.shards[3]
+    _rejects(receiver, bad, Kind.MISSING_NAME, INVALID)
+
+    bad = _copy(good)  # a block half the size: consistent bytes, but the tensor is not covered
+    shard = next(s for s in bad.shards if len(s.local_shape) == 2)
+    shard.local_shape[0] //= 2
+    shard.storage.shm.nbytes //= 2
+    _rejects(receiver, bad, Kind.COVERAGE, INVALID)
+
+    bad = _copy(good)
+    bad.shards[0].storage.shm.nbytes += 4
+    _rejects(receiver, bad, Kind.SHAPE, INVALID)
+
+    bad = _copy(good)
+    bad.publisher_id = "someone-else"
+    _rejects(receiver, bad, Kind.UNTRUSTED, PRECONDITION)
+
+    # The good one still applies after all that.
+    applied = dict(receiver.apply(good))
+    assert torch.equal(applied["lm_head.weight"], trainer.params["lm_head.weight"])
+
+
+def test_stale_and_out_of_order_versions(trainer, receiver) -> None:
+    receiver.apply(trainer.publish(3))
+    trainer.publisher.acknowledge(3)
+    _rejects(receiver, trainer.publish(3, force_full=True), Kind.STALE_VERSION, PRECONDITION)
+    trainer.publisher.acknowledge(3)
+    _rejects(receiver, trainer.publish(2, force_full=True), Kind.STALE_VERSION, PRECONDITION)
+    trainer.publisher.acknowledge(3)
+    version_only = trainer.publish(4)
+    assert version_only.version_only
+    receiver.apply(version_only)
+    assert receiver.version == 4
+    _rejects(receiver, version_only, Kind.STALE_VERSION, PRECONDITION)
+
+
+def test_fingerprint_change_needs_full_manifest(trainer, receiver) -> None:
+    first = trainer.publish(1)
+    receiver.apply(first)
+    trainer.publisher.acknowledge(1)
+
+    # A version-only manifest naming storage the receiver never mapped is refused.
+    forged = weights_pb2.WeightManifest(
+        version=2, model_fingerprint="0" * 64, version_only=True, publisher_id="trainer-0"
+    )
+    _rejects(receiver, forged, Kind.FINGERPRINT, PRECONDITION)
+    # So is one sent to a receiver that has no plan yet.
+    fresh = WeightReceiver(DESCRIPTION)
+    _rejects(fresh, trainer.publish(2), Kind.FINGERPRINT, PRECONDITION)
+    trainer.publisher.acknowledge(2)
+
+    # New storage (e.g. a checkpoint loaded into new tensors): the publisher sends a full
+    # manifest with a new fingerprint by itself, and the receiver re-plans.
+    trainer.params["model.norm.weight"] = torch.full_like(trainer.params["model.norm.weight"], 7)
+    third = trainer.publish(3)
+    assert not third.version_only
+    assert third.model_fingerprint != first.model_fingerprint
+    applied = receiver.apply(third)
+    assert not applied.plan_cached
+    assert torch.equal(dict(applied)["model.norm.weight"], trainer.params["model.norm.weight"])
+
+
+def test_publisher_waits_for_acknowledgement(trainer) -> None:
+    trainer.publish(1)
+    with pytest.raises(PublishError):
+        trainer.publish(2)
+    trainer.publish(1, force_full=True)  # republishing the pending version is fine
+    trainer.publisher.acknowledge(1)
+    assert trainer.publish(2).version_only
