@@ -24,8 +24,8 @@ class GeneratorConfig(ServiceSection):
     model_path: Path | None = Field(
         None,
         description="Hugging Face model folder (config.json, safetensors, tokenizer) the engine "
-        "loads. Unset: `<run_dir>/tiny-model`, the project's own tiny Qwen3 (the trainer uses "
-        "the same default, so both sides hold the same architecture).",
+        "loads. Unset: `<run_dir>/models/tiny`, the project's own tiny Qwen3 (the trainer's "
+        "default too, so both sides hold the same model).",
     )
     create_tiny_model_if_missing: bool = Field(
         True,
@@ -110,4 +110,4 @@ class GeneratorConfig(ServiceSection):
 
     def resolved_model_path(self, run_dir: Path) -> Path:
         """The folder the engine loads: `model_path`, or the tiny model under `run_dir`."""
-        return self.model_path if self.model_path is not None else run_dir / "tiny-model"
+        return self.model_path if self.model_path is not None else run_dir / "models" / "tiny"

@@ -242,6 +242,7 @@ class VllmEngine:
 
     def _sampling_params(self, sampling: SamplingRequest) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         try:
             return SamplingParams(
@@ -253,6 +254,9 @@ class VllmEngine:
                 stop=list(sampling.stop) or None,
                 seed=sampling.seed,
                 logprobs=0,  # the sampled token's own logprob only
+                # One output per prompt with all n samples (streamed outputs of n > 1 carry
+                # only the samples that advanced).
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
         except ValueError as err:
             raise InvalidRequestError(f"sampling: {err}") from None
@@ -271,10 +275,12 @@ class VllmEngine:
                 final = output
             return final
 
+        from vllm.exceptions import VLLMClientError
+
         try:
             return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        except ValueError as err:  # vLLM's input validation (prompt too long, bad token id)
-            raise InvalidRequestError(str(err)) from None
+        except (ValueError, VLLMClientError) as err:  # vLLM's request validation
+            raise InvalidRequestError(f"prompt: {err}") from None
 
     # ---- weights -------------------------------------------------------------------------
 
