@@ -120,7 +120,10 @@ class TaskConfig(Section):
     name: str = Field(
         description="Task name; items and ScoreItem.task carry it (letters, digits, _ . -)."
     )
-    source: SourceConfig
+    source: SourceConfig = Field(
+        description="Where questions and answers come from; `kind` picks reasoning_gym, jsonl "
+        "or procedural."
+    )
     template: str = Field(
         "{question}",
         description="Prompt template. Variables: question, task, and the item's metadata fields. "
