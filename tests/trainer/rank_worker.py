@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from podrl.v1 import trainer_pb2
 
@@ -110,3 +112,21 @@ def scenario(
             Path(out).write_text(json.dumps(results))
     finally:
         engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world: int, env: dict[str, str], plan: list[list], out: Path) -> list:
+    """Run ``scenario`` on ``world`` spawned gloo ranks; rank 0's results."""
+    mp.start_processes(
+        scenario,
+        args=(world, free_port(), env, plan, str(out)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    return json.loads(out.read_text())

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import run_ranks
-from rank_worker import config_env, make_request
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.trainer.rank_worker import config_env, make_request, run_ranks
 
 pytestmark = pytest.mark.slow
 

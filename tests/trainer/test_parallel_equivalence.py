@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_ranks
-from rank_worker import config_env
+
+from tests.trainer.rank_worker import config_env, run_ranks
 
 pytestmark = pytest.mark.slow
 

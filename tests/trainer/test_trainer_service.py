@@ -1,0 +1,176 @@
+"""The trainer service over real gRPC, started as `python -m podrl.trainer` with 2 FSDP ranks
+(its own launcher): bad batches get INVALID_ARGUMENT and leave the model untouched, good batches
+train, checkpoints and exports work through the RPCs, SIGTERM stops every rank cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from podrl.algorithms.losses import BatchTotals, LossSettings, policy_loss
+from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from tests.trainer.rank_worker import config_env, free_port, make_request
+
+pytestmark = pytest.mark.slow
+
+
+def _reference_first_loss(model_dir, request: trainer_pb2.TrainRequest) -> float:
+    """GRPO loss of the untouched initial model, computed with plain transformers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    totals = BatchTotals(
+        len(request.sequences), sum(len(s.completion_ids) for s in request.sequences)
+    )
+    total = 0.0
+    with torch.no_grad():
+        for seq in request.sequences:
+            ids = torch.tensor([[*seq.prompt_ids, *seq.completion_ids]])
+            logp = F.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            logp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+            start = len(seq.prompt_ids) - 1
+            logp = logp[start : start + len(seq.completion_ids)]
+            terms = policy_loss(
+                logp[None],
+                torch.tensor([list(seq.generator_logprobs)]),
+                torch.tensor([seq.advantage]),
+                torch.ones_like(logp)[None],
+                LossSettings(),
+                totals,
+            )
+            total += terms.loss.item()
+    return total
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("service")
+    port = free_port()
+    env = {
+        **os.environ,
+        **config_env(str(tiny_model), str(tmp), dp_shard=2, micro_batch_size=2),
+        "PODRL_TRAINER__GRPC_PORT": str(port),
+        "PODRL_TRAINER__METRICS_PORT": "0",
+        "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),  # no controller: registration retries
+        "OMP_NUM_THREADS": "1",
+    }
+    log = open(tmp / "trainer.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "podrl.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, (tmp / "trainer.log").read_text()
+        try:
+            reply = health.Check(
+                health_pb2.HealthCheckRequest(service="podrl.v1.Trainer"), timeout=1
+            )
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, "trainer did not start"
+        time.sleep(0.5)
+    yield process, trainer_pb2_grpc.TrainerStub(channel), tmp
+    channel.close()
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    log.close()
+
+
+def _bad_batches() -> dict[str, trainer_pb2.TrainRequest]:
+    good = make_request(1)
+    cases = {}
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    req.policy_version = 5
+    cases["policy_version"] = req
+    cases["sequences: the batch is empty"] = trainer_pb2.TrainRequest(policy_version=0)
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    req.sequences[1].generator_logprobs.append(-1.0)
+    cases["sequences[1].generator_logprobs"] = req
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    del req.sequences[2].completion_ids[:]
+    del req.sequences[2].generator_logprobs[:]
+    cases["sequences[2].completion_ids: empty completion"] = req
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    req.sequences[0].generator_logprobs[0] = float("nan")
+    cases["sequences[0].generator_logprobs"] = req
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    req.sequences[3].advantage = float("inf")
+    cases["sequences[3].advantage"] = req
+    req = trainer_pb2.TrainRequest()
+    req.CopyFrom(good)
+    req.sequences[0].completion_ids[0] = 10_000
+    cases["token ids must lie in"] = req
+    return cases
+
+
+def test_bad_batches_are_rejected_and_the_next_good_one_trains(service, tiny_model):
+    _, stub, _ = service
+    info = stub.Info(common_pb2.InfoRequest(), timeout=10)
+    assert info.world_size == 2 and list(info.mesh.shape) == [2, 1]
+    for needle, request in _bad_batches().items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Train(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
+        assert needle in err.value.details(), err.value.details()
+    info = stub.Info(common_pb2.InfoRequest(), timeout=10)
+    assert (info.step, info.policy_version) == (0, 0)
+    good = make_request(1)
+    reply = stub.Train(good, timeout=120)
+    assert (reply.step, reply.policy_version) == (1, 1)
+    # The model was untouched by the rejected batches: the loss is the initial model's.
+    assert reply.metrics.loss == pytest.approx(_reference_first_loss(tiny_model, good), abs=1e-5)
+    assert reply.metrics.tokens == sum(len(s.completion_ids) for s in good.sequences)
+    assert reply.metrics.grad_norm > 0 and reply.metrics.learning_rate == pytest.approx(1e-3)
+    second = stub.Train(make_request(2, version=1), timeout=120)
+    assert second.policy_version == 2
+
+
+def test_checkpoint_and_export_rpcs(service):
+    _, stub, tmp = service
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=str(tmp / "nope")), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    saved = stub.SaveCheckpoint(
+        trainer_pb2.SaveCheckpointRequest(controller_state=b"\x00position=7"), timeout=120
+    )
+    assert saved.path.startswith(str(tmp / "checkpoints"))
+    before = stub.Info(common_pb2.InfoRequest(), timeout=10)
+    stub.Train(make_request(3, version=before.policy_version), timeout=120)
+    loaded = stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=saved.path), timeout=120)
+    assert loaded.controller_state == b"\x00position=7"
+    assert (loaded.step, loaded.policy_version) == (saved.step, saved.policy_version)
+    exported = stub.ExportHF(trainer_pb2.ExportHFRequest(), timeout=120)
+    assert "model.safetensors" in exported.files and "config.json" in exported.files
+
+
+def test_sigterm_stops_every_rank(service):
+    process, _, tmp = service
+    ranks = psutil.Process(process.pid).children()
+    assert len(ranks) == 2
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0, (tmp / "trainer.log").read_text()[-3000:]
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive
+    # The launcher exits 0 only if every rank did; rank 1 left on rank 0's command.
+    log = (tmp / "trainer.log").read_text()
+    assert "rank 1: shutdown from rank 0" in log
+    assert "trainer stopped" in log
