@@ -53,3 +53,9 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
 def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
     """Every command of the trainer, registered identically on every rank."""
     register_builtin_commands(loop, engine)
+    # Weight publishing (owned by podrl.weights): every rank publishes its own shards.
+    from podrl.weights.trainer_commands import register_weight_commands
+
+    register_weight_commands(
+        loop, engine, rank=engine.env.rank, publisher_id=engine.config.worker_id
+    )

@@ -98,6 +98,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         reply = self._run(commands.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
 
+    # -- weight publishing (podrl.weights.trainer_commands) ------------------------------------
+
+    def PublishWeights(
+        self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.PublishWeightsResponse:
+        from podrl.weights.trainer_commands import PUBLISH_WEIGHTS
+
+        try:
+            reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
+        except RankCommandError as err:
+            # Every rank refuses alike while the previous version is unacknowledged.
+            pending = any(e.startswith("PublishError") for e in err.errors.values())
+            code = grpc.StatusCode.FAILED_PRECONDITION if pending else grpc.StatusCode.INTERNAL
+            context.abort(code, str(err))
+        return trainer_pb2.PublishWeightsResponse.FromString(reply)
+
+    def AcknowledgeWeights(
+        self, request: trainer_pb2.AcknowledgeWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.AcknowledgeWeightsResponse:
+        from podrl.weights.trainer_commands import ACKNOWLEDGE_WEIGHTS
+
+        self._run(ACKNOWLEDGE_WEIGHTS, request, context)
+        return trainer_pb2.AcknowledgeWeightsResponse()
+
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerInfo:

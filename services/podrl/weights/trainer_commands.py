@@ -1,0 +1,95 @@
+"""The trainer's PUBLISH/ACK rank commands (registered into ``podrl.trainer``'s command loop).
+
+``publish_weights`` runs on every rank: each rank prepares its own shards
+(:class:`~podrl.weights.publisher.WeightPublisher` over ``engine.model``), the ranks' protobuf
+bytes are gathered to rank 0 over the model's process group (no pickle) and rank 0 assembles
+the manifest, which is its reply (``PublishWeightsResponse``). ``acknowledge_weights`` releases
+the published version on every rank.
+
+On GPUs the FSDP2 parameters are published in place, so an optimizer pre-step hook blocks
+``optimizer.step()`` until the pending version is acknowledged (``ack_timeout`` seconds, then
+the step fails rather than overwrite weights a generator may be reading). On CPUs the staging
+copy makes the step safe; only the next publish waits for the acknowledgement.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from podrl.v1 import trainer_pb2
+from podrl.weights.distributed import gather_publications
+from podrl.weights.publisher import ManifestAssembler, WeightPublisher
+
+PUBLISH_WEIGHTS = "publish_weights"
+ACKNOWLEDGE_WEIGHTS = "acknowledge_weights"
+DEFAULT_ACK_TIMEOUT_SECONDS = 600.0
+
+
+class _Loop(Protocol):
+    def register(self, name: str, handler: object) -> None: ...
+
+
+class _Engine(Protocol):
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    policy_version: int
+
+
+class TrainerWeightSync:
+    """This rank's publisher (and, on rank 0, the manifest assembler)."""
+
+    def __init__(
+        self,
+        engine: _Engine,
+        *,
+        rank: int,
+        publisher_id: str,
+        ack_timeout: float = DEFAULT_ACK_TIMEOUT_SECONDS,
+    ) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.publisher = WeightPublisher(engine.model, rank=rank)
+        self.assembler = ManifestAssembler(publisher_id)
+        self.ack_timeout = ack_timeout
+        engine.optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, *_: object) -> None:
+        if self.publisher.must_wait_before_step and not self.publisher.wait_for_acknowledgement(
+            self.ack_timeout
+        ):
+            raise TimeoutError(
+                f"version {self.publisher.pending_version} was published from the live GPU "
+                f"parameters and not acknowledged within {self.ack_timeout:.0f} s; the "
+                "optimizer may not overwrite them (call AcknowledgeWeights after ApplyWeights)"
+            )
+
+    def publish(self, payload: bytes) -> bytes:
+        """Every rank: prepare this rank's shards; rank 0 returns the PublishWeightsResponse."""
+        request = trainer_pb2.PublishWeightsRequest.FromString(payload)
+        version = self.engine.policy_version
+        part = self.publisher.prepare(version, ack_timeout=0.0)
+        parts = gather_publications(part) if torch.distributed.is_initialized() else [part]
+        if self.rank != 0:
+            return b""
+        manifest = self.assembler.assemble(version, parts, force_full=request.force_full)
+        return trainer_pb2.PublishWeightsResponse(manifest=manifest).SerializeToString()
+
+    def acknowledge(self, payload: bytes) -> bytes:
+        request = trainer_pb2.AcknowledgeWeightsRequest.FromString(payload)
+        self.publisher.acknowledge(request.version)
+        return b""
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def register_weight_commands(
+    loop: _Loop, engine: _Engine, *, rank: int, publisher_id: str
+) -> TrainerWeightSync:
+    """Register PUBLISH/ACK on this rank's command loop (every rank, same order)."""
+    sync = TrainerWeightSync(engine, rank=rank, publisher_id=publisher_id)
+    loop.register(PUBLISH_WEIGHTS, sync.publish)
+    loop.register(ACKNOWLEDGE_WEIGHTS, sync.acknowledge)
+    return sync

@@ -1,0 +1,112 @@
+"""PublishWeights/AcknowledgeWeights of the real trainer service (2 FSDP2 ranks on gloo, its own
+launcher) applied by a receiver in this process; segments vanish when the trainer stops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import load_file
+
+from podrl.models.tiny import make_tiny_model
+from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from podrl.weights import ModelDescription, WeightReceiver, vllm_layout
+from podrl.weights.shm import list_segments
+from tests.trainer.rank_worker import config_env, free_port, make_request
+from tests.weights.reference_layout import expected_vllm_tensors
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    model_dir = make_tiny_model(tmp / "model")
+    port = free_port()
+    env = {
+        **os.environ,
+        **config_env(str(model_dir), str(tmp), dp_shard=2, micro_batch_size=2),
+        "PODRL_TRAINER__GRPC_PORT": str(port),
+        "PODRL_TRAINER__METRICS_PORT": "0",
+        "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = open(tmp / "trainer.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "podrl.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, (tmp / "trainer.log").read_text()
+        try:
+            request = health_pb2.HealthCheckRequest(service="podrl.v1.Trainer")
+            if health.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, "trainer did not start"
+        time.sleep(0.5)
+    yield process, trainer_pb2_grpc.TrainerStub(channel), model_dir, tmp
+    channel.close()
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    log.close()
+
+
+def test_publish_apply_acknowledge_train_publish(trainer) -> None:
+    process, stub, model_dir, tmp = trainer
+    description = ModelDescription.from_pretrained(model_dir)
+    info = stub.Info(common_pb2.InfoRequest(), timeout=30)
+    hf = WeightReceiver(description, trusted_publisher_id=info.info.worker_id)
+    tp_rank1 = WeightReceiver(description, layout=vllm_layout(description, 1, 2))
+
+    first = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60).manifest
+    assert not first.version_only and first.version == 0
+    assert {s.publisher_rank for s in first.shards} == {0, 1}  # every rank its own shards
+    initial = load_file(str(model_dir / "model.safetensors"))
+    applied = dict(hf.apply(first))
+    assert all(torch.equal(applied[n], initial[n]) for n in description.params)
+    want = expected_vllm_tensors(
+        initial, {"num_key_value_heads": 2, "head_dim": description.head_dim}, 1, 2
+    )
+    assert all(torch.equal(t, want[n]) for n, t in tp_rank1.apply(first))
+
+    # The trainer may not overwrite the published staging copy before the acknowledgement.
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Train(make_request(1), timeout=120)
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=30)
+
+    second = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60).manifest
+    assert second.version_only and second.version == 1
+    assert second.model_fingerprint == first.model_fingerprint
+    result = hf.apply(second)
+    assert result.plan_cached
+    export = stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(tmp / "export")), timeout=120)
+    trained = load_file(str(Path(export.path) / "model.safetensors"))
+    updated = dict(result)
+    assert any(not torch.equal(updated[n], initial[n]) for n in description.params)
+    assert all(torch.equal(updated[n], trained[n]) for n in description.params)
+    stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=1), timeout=30)
+
+    # A new generator asks for a full manifest of the same storage.
+    again = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(force_full=True), timeout=60)
+    assert not again.manifest.version_only and again.manifest.version == 1
+
+    ranks = [process.pid, *(c.pid for c in psutil.Process(process.pid).children(recursive=True))]
+    assert any(list_segments(pid) for pid in ranks)
+    process.terminate()
+    process.wait(timeout=60)
+    assert all(list_segments(pid) == [] for pid in ranks)
