@@ -157,11 +157,14 @@ class LocalCluster:
             time.sleep(0.2)
         raise TimeoutError(f"services not ready after {timeout:.0f}s; logs in {self.log_dir}")
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM the workers, then the controller (so drains reach it); SIGKILL stragglers."""
+    def stop(self, grace: float, controller_first: bool = False) -> None:
+        """SIGTERM the workers, then the controller (so drain notices reach it); SIGKILL
+        stragglers. ``controller_first``: the controller ends a running loop (and checkpoints)
+        while the workers still answer."""
         workers = [c for c in self.children if c.name != "controller"]
         controller = [c for c in self.children if c.name == "controller"]
-        for group in (workers, controller):
+        groups = (controller, workers) if controller_first else (workers, controller)
+        for group in groups:
             for child in group:
                 if child.process.poll() is None:
                     child.process.send_signal(signal.SIGTERM)

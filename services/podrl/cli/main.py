@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,8 +16,9 @@ from rich.table import Table
 
 from podrl.cli.local_cluster import ChildExitedError, LocalCluster
 from podrl.cli.probes import grpc_health
+from podrl.cli.run_progress import follow_run
 from podrl.cli.status_table import render_status
-from podrl.config import ConfigError, load_config
+from podrl.config import ConfigError, RunConfig, load_config
 
 console = Console(stderr=False)
 
@@ -50,46 +51,82 @@ def _self_check(cluster: LocalCluster) -> bool:
     return ok
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, command: str) -> RunConfig | None:
     try:
-        config = load_config(args.config)
+        return load_config(args.config)
     except ConfigError as err:
-        print(f"podrl up: {err}", file=sys.stderr)
-        return 2
+        print(f"podrl {command}: {err}", file=sys.stderr)
+        return None
+
+
+def _run_cluster(
+    config: RunConfig,
+    config_path: str | None,
+    startup_timeout: float,
+    body: Callable[[LocalCluster, threading.Event], int],
+) -> int:
+    """Start the local cluster, wait for health, run ``body``; always stop every child."""
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    cluster = LocalCluster(config, args.config)
-    grace = config.grpc.shutdown_grace_seconds + 5
+    cluster = LocalCluster(config, config_path)
     try:
         cluster.start()
-        console.print(
-            f"starting controller, generator, grader, trainer (logs in {cluster.log_dir})"
-        )
-        if not cluster.wait_ready(args.startup_timeout, stop.is_set):
+        console.print(f"starting controller, generator, grader, trainer (logs: {cluster.log_dir})")
+        if not cluster.wait_ready(startup_timeout, stop.is_set):
             return 0
         urls = Table(title="podrl is up", show_header=False)
         for name, url in cluster.urls().items():
             urls.add_row(name, url)
         console.print(urls)
         console.print(f"status: podrl status --url {cluster.rest_url}")
+        return body(cluster, stop)
+    except ChildExitedError as err:
+        console.print(f"[red]podrl: {err}[/]; stopping the others")
+        tail = err.child.log_tail()
+        if tail:
+            console.print(f"last lines of {err.child.log_path}:\n{tail}", markup=False)
+        return 1
+    except TimeoutError as err:
+        console.print(f"[red]podrl: {err}[/]")
+        return 1
+    finally:
+        # With a loop configured, the controller stops first: it checkpoints through the trainer.
+        grace = config.grpc.shutdown_grace_seconds + 5
+        cluster.stop(
+            grace + 60 if config.loop.steps else grace, controller_first=bool(config.loop.steps)
+        )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    config = _load(args, "up")
+    if config is None:
+        return 2
+
+    def body(cluster: LocalCluster, stop: threading.Event) -> int:
         if args.self_check:
             return 0 if _self_check(cluster) else 1
         while not stop.wait(0.5):
             cluster.check_alive()
         console.print("stopping")
         return 0
-    except ChildExitedError as err:
-        console.print(f"[red]podrl up: {err}[/]; stopping the others")
-        tail = err.child.log_tail()
-        if tail:
-            console.print(f"last lines of {err.child.log_path}:\n{tail}", markup=False)
-        return 1
-    except TimeoutError as err:
-        console.print(f"[red]podrl up: {err}[/]")
-        return 1
-    finally:
-        cluster.stop(grace)
+
+    return _run_cluster(config, args.config, args.startup_timeout, body)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args, "run")
+    if config is None:
+        return 2
+    if config.loop.steps == 0:
+        print("podrl run: loop.steps is 0; set it in the config (e.g. loop: {steps: 50})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    def body(cluster: LocalCluster, stop: threading.Event) -> int:
+        return follow_run(cluster, config, stop, console)
+
+    return _run_cluster(config, args.config, args.startup_timeout, body)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -128,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--self-check", action="store_true", help="probe every service once, then stop")
     up.set_defaults(func=cmd_up)
+
+    run = commands.add_parser(
+        "run", help="run a GRPO job locally (resumes from the run dir's last checkpoint)"
+    )
+    run.add_argument("config", help="run config YAML with loop.steps > 0")
+    run.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for health"
+    )
+    run.set_defaults(func=cmd_run)
 
     status = commands.add_parser("status", help="print a controller's run status")
     status.add_argument(

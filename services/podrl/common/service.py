@@ -77,6 +77,9 @@ class ServiceSpec:
     """controller_pb2.Component to register as; None for the controller itself."""
     details: dict[str, str] = field(default_factory=dict)
     side_servers: list[SideServer] = field(default_factory=list)
+    on_drain: list[Callable[[], None]] = field(default_factory=list)
+    """Run right after health turns NOT_SERVING, while the gRPC server still answers (finish or
+    stop long-running work that needs other services, e.g. the controller's loop)."""
     on_close: list[Callable[[], None]] = field(default_factory=list)
     """Run after the gRPC server stopped (release engines, shared memory, ...)."""
     until_ready: Callable[[], None] | None = None
@@ -160,6 +163,11 @@ class ServiceProcess:
         SERVICE_UP.labels(self.spec.name, self.config.worker_id).set(0)
         if self.membership is not None:
             self.membership.drain(reason)
+        for hook in self.spec.on_drain:
+            try:
+                hook()
+            except Exception:  # draining must go on
+                log.exception("drain hook failed")
         self.server.stop(grace=self.config.grpc.shutdown_grace_seconds).wait()
         if self.membership is not None:
             self.membership.close()

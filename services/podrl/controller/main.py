@@ -49,7 +49,8 @@ class LoopRunner:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def build_spec(config: RunConfig) -> ServiceSpec:
@@ -62,9 +63,12 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         RestServer(build_rest_app(state, store), section.bind_host, section.http_port)
     ]
     clients = WorkerClients(config.grpc)
+    on_drain = []
     if config.loop.steps:
         source = build_task_source(config.tasks)  # a bad task config fails here, at start
-        side_servers.append(LoopRunner(GrpoLoop(config, state, store, clients, source)))
+        runner = LoopRunner(GrpoLoop(config, state, store, clients, source))
+        side_servers.append(runner)
+        on_drain.append(runner.stop)  # stop (and checkpoint) while workers can still answer
     return ServiceSpec(
         name="controller",
         grpc_service="podrl.v1.Controller",
@@ -73,6 +77,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
             servicer, server
         ),
         side_servers=side_servers,
+        on_drain=on_drain,
         on_close=[clients.close, store.close],
     )
 

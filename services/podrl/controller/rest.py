@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI, Query, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import podrl
@@ -17,6 +19,16 @@ def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
         version=podrl.__version__,
         description="Status of a podrl run: probes, run status, workers and metrics.",
     )
+
+    dashboard_html = (Path(__file__).parent / "dashboard.html").read_text()
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("dashboard")
+
+    @app.get("/dashboard", response_class=HTMLResponse, summary="Live dashboard of the run.")
+    def dashboard() -> str:
+        return dashboard_html
 
     @app.get("/healthz", summary="Liveness: the controller process is up.")
     def healthz() -> dict[str, str]:

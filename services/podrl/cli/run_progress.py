@@ -1,0 +1,79 @@
+"""`podrl run`: follow the controller's loop with a progress bar, then summarise the run."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from podrl.cli.local_cluster import LocalCluster
+from podrl.cli.reward_plot import plot_reward_curve
+from podrl.config import RunConfig
+
+END_PHASES = ("finished", "failed")
+
+
+def _status(cluster: LocalCluster) -> dict[str, Any] | None:
+    try:
+        return httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
+    except httpx.HTTPError:
+        return None
+
+
+def follow_run(
+    cluster: LocalCluster, config: RunConfig, stop: threading.Event, console: Console
+) -> int:
+    """Show step, reward and ETA until the loop ends; print the summary, write the PNG."""
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("reward {task.fields[reward]}"),
+        TextColumn("{task.fields[phase]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    status: dict[str, Any] | None = None
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task(config.name, total=config.loop.steps, reward="-", phase="")
+        while not stop.wait(1.0):
+            cluster.check_alive()
+            status = _status(cluster) or status
+            if status is None:
+                continue
+            reward = status["last_step_metrics"].get("reward_mean")
+            progress.update(
+                bar,
+                completed=status["step"],
+                reward="-" if reward is None else f"{reward:.3f}",
+                phase=status["phase"],
+            )
+            if status["phase"] in END_PHASES:
+                break
+    if status is None or status["phase"] not in END_PHASES:
+        console.print("interrupted: the controller checkpoints before it stops")
+        return 0
+    steps = httpx.get(f"{cluster.rest_url}/v1/steps", timeout=10).json()
+    summary_path = config.run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    png = plot_reward_curve(steps, config.run_dir / "reward_curve.png", f"podrl {config.name}")
+    table = Table(title=f"run {config.name}: {status['phase']}", show_header=False)
+    for key in (
+        "steps", "policy_version", "initial_reward_mean", "final_reward_mean",
+        "tokens_generated", "wall_seconds",
+    ):  # fmt: skip
+        value = summary.get(key)
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    table.add_row("reward curve", str(png))
+    table.add_row("samples", str(config.run_dir / "samples.jsonl"))
+    console.print(table)
+    if status["phase"] == "failed":
+        console.print(f"[red]run failed: {status.get('error')}[/]")
+        return 1
+    return 0
