@@ -96,7 +96,8 @@ def helm_lint(
 
 def parse_objects(text: str) -> list[dict[str, Any]]:
     """The Kubernetes objects of a multi-document YAML stream (empty documents dropped)."""
-    return [doc for doc in yaml.safe_load_all(text) if doc]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x faster
+    return [doc for doc in yaml.load_all(text, Loader=loader) if doc]
 
 
 @dataclass(frozen=True)
