@@ -59,7 +59,7 @@ class RankPublication:
         )
 
 
-class _ShmStaging:
+class ShmStaging:
     """Packed shared-memory copy of a set of local shards (many tensors per segment)."""
 
     def __init__(self, shards: Sequence[manifest.LocalShard], segment_bytes: int) -> None:
@@ -132,7 +132,7 @@ class WeightPublisher:
         self.rank = rank
         self._staging_mode = staging
         self._segment_bytes = segment_bytes
-        self._staging: _ShmStaging | None = None
+        self._staging: ShmStaging | None = None
         self._fingerprint: str | None = None
         self._shards: list[weights_pb2.TensorShard] = []
         self._pending: int | None = None
@@ -198,7 +198,7 @@ class WeightPublisher:
             ]
         else:
             # The staging copy is contiguous whatever the source strides are.
-            self._staging = _ShmStaging(local, self._segment_bytes)
+            self._staging = ShmStaging(local, self._segment_bytes)
             storages = self._staging.handles
         self._shards = []
         for shard, storage in zip(local, storages, strict=True):
