@@ -72,7 +72,7 @@ def test_export_loads_in_transformers_with_the_trainers_logits(tiny_model, two_r
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     trainer_logits = torch.load(tmp / "logits.pt")
-    assert (logits - trainer_logits).abs().max().item() <= 1e-5
+    assert (logits - trainer_logits).abs().max().item() <= 1e-6  # measured: 0.0
     # Three optimizer steps changed the weights: the export is the trained policy.
     before = load_file(tiny_model / "model.safetensors")
     after = load_file(export / "model.safetensors")

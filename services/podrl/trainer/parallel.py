@@ -90,14 +90,14 @@ def init_distributed(config: RunConfig, env: RankEnv, device: torch.device) -> D
 def resolve_model_path(config: RunConfig) -> Path:
     """The configured model folder, or the project's tiny model (written once, atomically)."""
     if config.trainer.model_path is not None:
-        path = Path(config.trainer.model_path)
+        path = Path(config.trainer.model_path).absolute()
         if not (path / "config.json").is_file():
             raise ConfigError(
                 f"trainer.model_path: {path} has no config.json; point it at a Hugging Face "
                 "safetensors folder (or `podrl make-tiny-model DIR`)"
             )
         return path
-    path = Path(config.run_dir) / "models" / "tiny"
+    path = (Path(config.run_dir) / "models" / "tiny").absolute()
     if not (path / "config.json").is_file():
         from podrl.models.tiny import make_tiny_model
 

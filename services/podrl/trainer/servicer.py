@@ -6,9 +6,11 @@ and answer UNIMPLEMENTED until it registers them."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import Message
 
 import podrl
 from podrl.config import RunConfig
@@ -26,8 +28,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._config = config
         self._engine = engine
         self._loop = loop
+        # One collective command at a time, and a Train's version check and its step together.
+        self._lock = threading.Lock()
 
-    def _run(self, name: str, request, context: grpc.ServicerContext) -> bytes:
+    def _run(self, name: str, request: Message, context: grpc.ServicerContext) -> bytes:
+        """Run command ``name`` on every rank; rank 0's reply payload."""
         try:
             return self._loop.run(name, request.SerializeToString())[0]
         except RankCommandError as err:
@@ -37,11 +42,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Train(
         self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainResponse:
-        try:
-            self._engine.validate(request)
-        except BatchError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
-        reply = trainer_pb2.TrainResponse.FromString(self._run(commands.TRAIN, request, context))
+        with self._lock:
+            try:
+                self._engine.validate(request)
+            except BatchError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
+            payload = self._run(commands.TRAIN, request, context)
+        reply = trainer_pb2.TrainResponse.FromString(payload)
         m = reply.metrics
         log.info(
             "step %d (version %d): loss %.5f kl %.5f entropy %.4f grad_norm %.4f tokens %d",
@@ -68,7 +75,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         resolved = trainer_pb2.SaveCheckpointRequest(
             path=str(Path(path).absolute()), controller_state=request.controller_state
         )
-        reply = self._run(commands.SAVE_CHECKPOINT, resolved, context)
+        with self._lock:
+            reply = self._run(commands.SAVE_CHECKPOINT, resolved, context)
         return trainer_pb2.SaveCheckpointResponse.FromString(reply)
 
     def LoadCheckpoint(
@@ -84,7 +92,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 f"(needs .metadata and {checkpoint.STATE_FILE})",
             )
         resolved = trainer_pb2.LoadCheckpointRequest(path=str(path))
-        reply = self._run(commands.LOAD_CHECKPOINT, resolved, context)
+        with self._lock:
+            reply = self._run(commands.LOAD_CHECKPOINT, resolved, context)
         return trainer_pb2.LoadCheckpointResponse.FromString(reply)
 
     def ExportHF(
@@ -95,7 +104,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             / f"version-{self._engine.policy_version:08d}"
         )
         resolved = trainer_pb2.ExportHFRequest(path=str(Path(path).absolute()))
-        reply = self._run(commands.EXPORT_HF, resolved, context)
+        with self._lock:
+            reply = self._run(commands.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
 
     # -- weight publishing (podrl.weights.trainer_commands) ------------------------------------
