@@ -36,7 +36,7 @@ KUBE_VERSION = "1.35.0"
 
 
 class HelmError(RuntimeError):
-    """helm failed; ``stderr`` holds its message (schema errors name the bad value)."""
+    """helm failed; ``stderr`` holds its output (schema errors name the bad value)."""
 
     def __init__(self, args: Sequence[str], stderr: str) -> None:
         super().__init__(f"{' '.join(args[:2])} failed:\n{stderr.strip()}")
@@ -63,7 +63,8 @@ def run_helm(args: Sequence[str], values: Mapping[str, Any] | None = None) -> st
             command, capture_output=True, text=True, env=helm_env(Path(tmp)), check=False
         )
     if done.returncode != 0:
-        raise HelmError(command[1:], done.stderr or done.stdout)
+        # helm lint reports the problems on stdout and only a summary on stderr.
+        raise HelmError(command[1:], "\n".join(t for t in (done.stdout, done.stderr) if t))
     return done.stdout
 
 

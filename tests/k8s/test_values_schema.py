@@ -1,0 +1,120 @@
+"""values.schema.json rejects bad values with a message that names the value; values.yaml is
+documented key by key and valid against the schema."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from podrl.config import load_config
+from podrl.tools.render_k8s import CHART_DIR, HelmError, helm_lint, helm_template
+
+BAD_VALUES = [
+    ({"gpu": {"mode": "mig"}}, "/gpu/mode", "'dra', 'devicePlugin', 'none'"),
+    ({"gpu": {"count": 0}}, "/gpu/count", "minimum"),
+    ({"workers": {"replicas": -1}}, "/workers/replicas", "minimum"),
+    ({"workers": {"replica": 2}}, "/workers", "'replica' not allowed"),
+    ({"images": {"variant": "rocm"}}, "/images/variant", "'cuda', 'cpu'"),
+    ({"images": {"pullPolicy": "Sometimes"}}, "/images/pullPolicy", "Always"),
+    ({"gpu": {"devicePlugin": {"requestingContainer": "controller"}}}, "requestingContainer", ""),
+    ({"persistence": {"accessModes": []}}, "/persistence/accessModes", "minItems"),
+    ({"persistence": {"size": "lots"}}, "/persistence/size", ""),
+    ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot", ""),
+    ({"workers": {"shmSizeLimit": "16 GB"}}, "/workers/shmSizeLimit", ""),
+    ({"runConfig": {"device": "tpu"}}, "/runConfig/device", "'cpu', 'cuda', 'auto'"),
+    ({"runConfig": {"generator": {"grpc_port": 70000}}}, "/runConfig/generator/grpc_port", ""),
+    ({"runConfig": {"worker_id": "pod-0"}}, "/runConfig/worker_id", "remove runConfig.worker_id"),
+    ({"fullnameOverride": "Bad_Name"}, "/fullnameOverride", ""),
+    ({"controller": {"service": {"type": "ExternalName"}}}, "/controller/service/type", ""),
+]
+
+
+@pytest.mark.parametrize(
+    ("values", "path", "detail"), BAD_VALUES, ids=[p for _, p, _ in BAD_VALUES]
+)
+def test_bad_values_are_rejected_with_a_readable_message(
+    values: dict[str, Any], path: str, detail: str
+) -> None:
+    for run in (helm_template, helm_lint):
+        with pytest.raises(HelmError) as err:
+            run(values)
+        message = err.value.stderr
+        assert "values don't meet the specifications of the schema" in message
+        assert path in message, message
+        assert detail in message, message
+
+
+def _schema() -> dict[str, Any]:
+    return json.loads((CHART_DIR / "values.schema.json").read_text())
+
+
+def test_schema_is_valid_draft7_and_accepts_the_defaults() -> None:
+    schema = _schema()
+    jsonschema.Draft7Validator.check_schema(schema)
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    jsonschema.Draft7Validator(schema).validate(defaults)
+
+
+def _leaf_paths(schema: dict[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, sub in (schema.get("properties") or {}).items():
+        path = f"{prefix}.{key}" if prefix else key
+        paths.append(path)
+        if sub.get("additionalProperties") is False:
+            paths += _leaf_paths(sub, path)
+    return paths
+
+
+def test_every_closed_schema_property_has_a_description_or_is_documented_in_values_yaml() -> None:
+    schema = _schema()
+    missing = []
+    for path in _leaf_paths(schema):
+        node = schema
+        for part in path.split("."):
+            node = node["properties"][part]
+        if "description" not in node and node.get("type") != "object":
+            missing.append(path)
+    assert missing == []
+
+
+# Maps whose keys are data, not chart settings (resource quantities, image names, the run
+# config that podrl documents field by field in podrl.config).
+FREE_FORM_PARENTS = {"resources", "requests", "limits", "names", "runConfig", "log"}
+FREE_FORM_PARENTS |= {"podSecurityContext", "seccompProfile"}
+
+
+def test_every_value_in_values_yaml_has_a_comment() -> None:
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    undocumented = []
+    parents: list[tuple[int, str]] = []
+    for number, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if not match:
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        free_form = any(name in FREE_FORM_PARENTS for _, name in parents)
+        previous = lines[number - 1].strip() if number else ""
+        if not free_form and not previous.startswith("#") and "#" not in line:
+            # A section header without a comment is fine when its children are documented.
+            next_line = lines[number + 1] if number + 1 < len(lines) else ""
+            is_section = line.rstrip().endswith(":") and next_line.startswith(" " * (indent + 2))
+            if not is_section:
+                undocumented.append(f"line {number + 1}: {key}")
+        parents.append((indent, key))
+    assert undocumented == []
+
+
+def test_default_run_config_is_a_valid_podrl_run_config(tmp_path) -> None:
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(defaults["runConfig"]))
+    config = load_config(path, env={})
+    assert config.name == defaults["runConfig"]["name"]
+    assert str(config.run_dir).startswith(defaults["persistence"]["mountPath"])
