@@ -154,6 +154,30 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm_start(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from podrl.models.tiny import make_tiny_model  # torch: import late
+    from podrl.trainer.warm_start import warm_start
+
+    config = _load(args, "warm-start")
+    if config is None:
+        return 2
+    base = Path(args.base) if args.base else config.run_dir / "models" / "tiny"
+    if not (base / "config.json").is_file():
+        make_tiny_model(base)
+    out = Path(args.out) if args.out else config.run_dir / "models" / "warm"
+    result = warm_start(config, base, out, steps=args.steps, lr=args.lr)
+    table = Table(title=f"supervised warm-start ({args.steps} steps on task targets)")
+    table.add_column("step")
+    table.add_column("loss")
+    for step in sorted({0, len(result.losses) // 2, len(result.losses) - 1}):
+        table.add_row(str(step + 1), f"{result.losses[step]:.3f}")
+    console.print(table)
+    console.print(f"warm-started model: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="podrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=cmd_status)
+
+    warm = commands.add_parser(
+        "warm-start", help="short supervised warm-start on the config's tasks (writes a model)"
+    )
+    warm.add_argument("config", help="run config YAML (its tasks section is used)")
+    warm.add_argument("--steps", type=int, default=30)
+    warm.add_argument("--lr", type=float, default=5e-4)
+    warm.add_argument("--base", help="model folder to start from (default: the tiny model)")
+    warm.add_argument("--out", help="output folder (default: <run_dir>/models/warm)")
+    warm.set_defaults(func=cmd_warm_start)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init tiny Qwen3 + char tokenizer (HF folder)"
