@@ -106,31 +106,39 @@ class LocalCluster:
             "trainer gRPC": f"{self.host}:{self.ports[6]}",
         }
 
+    def _spawn(self, name: str) -> Child:
+        grpc_ports = {"controller": 0, "generator": 2, "grader": 4, "trainer": 6}
+        cmd = [sys.executable, "-m", f"podrl.{name}"]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                cmd,
+                env={**os.environ, **self.overrides},
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops in order
+                preexec_fn=_die_with_parent,
+            )
+        return Child(name, process, log_path, f"{self.host}:{self.ports[grpc_ports[name]]}")
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.overrides}
-        addresses = {
-            "controller": self.ports[0],
-            "generator": self.ports[2],
-            "grader": self.ports[4],
-            "trainer": self.ports[6],
-        }
-        for name in SERVICES:
-            cmd = [sys.executable, "-m", f"podrl.{name}"]
-            if self.config_path:
-                cmd += ["--config", self.config_path]
-            log_path = self.log_dir / f"{name}.log"
-            with open(log_path, "ab") as log_file:
-                process = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops in order
-                    preexec_fn=_die_with_parent,
-                )
-            self.children.append(Child(name, process, log_path, f"{self.host}:{addresses[name]}"))
+        self.children = [self._spawn(name) for name in SERVICES]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def restart(self, name: str) -> Child:
+        """Start ``name`` again on the same ports (after it died or was killed)."""
+        old = self.child(name)
+        if old.process.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.process.pid}) is still running")
+        new = self._spawn(name)
+        self.children[self.children.index(old)] = new
+        return new
 
     def check_alive(self) -> None:
         for child in self.children:

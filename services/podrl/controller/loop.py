@@ -485,7 +485,11 @@ class GrpoLoop:
             # Train went through but the controller died before recording the step.
             self.store.record_step(
                 StepRecord(
-                    pending.step, version, pending.position_after, {"recovered": True}, time.time()
+                    pending.step,
+                    version,
+                    pending.position_after,
+                    {"recovered": True, "prompt_ids": pending.prompt_ids},
+                    time.time(),
                 )
             )
         self.store.clear_pending()

@@ -1,0 +1,111 @@
+"""The dashboard, rendered by real headless Chromium against the real REST app."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from podrl.controller.membership import MemberRegistry
+from podrl.controller.rest import build_rest_app
+from podrl.controller.run_store import RunStore, StepRecord
+from podrl.controller.status import RunState
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served_run(tmp_path: Path) -> Iterator[str]:
+    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+    for component in (1, 2, 3):
+        registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
+    state = RunState("dash-test", registry, min_worker_pods=1, steps_total=20)
+    store = RunStore(tmp_path / "controller.sqlite")
+    for step in range(1, 8):
+        metrics = {
+            "reward_mean": 0.1 * step,
+            "loss": 1.0 / step,
+            "pg_loss": 0.5 / step,
+            "kl": 0.01 * step,
+            "entropy": 3.0 - 0.2 * step,
+            "phase_seconds": {"generate": 0.5, "score": 0.1, "train": 1.0, "sync": 0.05},
+        }
+        store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
+        state.finish_step(step, step, metrics["phase_seconds"], metrics)
+    state.set_phase("generate")
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    store.close()
+
+
+def _chromium(*args: str, user_dir: Path) -> subprocess.CompletedProcess[str]:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={user_dir}",
+        "--virtual-time-budget=5000",
+    ]
+    return subprocess.run(
+        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=True
+    )
+
+
+def test_dashboard_renders_status_charts_and_workers(served_run: str, tmp_path: Path) -> None:
+    url = f"{served_run}/dashboard"
+    dom = _chromium("--dump-dom", url, user_dir=tmp_path / "profile").stdout
+
+    def text_of(element_id: str) -> str:
+        found = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+        assert found, f"#{element_id} missing from the rendered page"
+        return found.group(1)
+
+    assert text_of("run-name") == "dash-test"
+    assert text_of("step") == "7 / 20"
+    assert text_of("policy-version") == "7"
+    assert text_of("phase") == "generate"
+    assert text_of("reward-latest") == "0.700"
+    assert text_of("healthy-pods") == "1"
+    # Every chart was drawn from /v1/steps: one polyline per series, legends with last values.
+    assert len(re.findall(r"<polyline [^>]*points=\"[0-9]", dom)) == 1 + 2 + 2 + 4
+    assert 'data-series="reward_mean">reward_mean: 0.7000<' in dom
+    assert 'data-series="entropy">entropy: 1.600<' in dom
+    assert dom.count("<td>pod-0</td>") == 3
+    assert "no data yet</text></svg>" not in dom
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    _chromium(f"--screenshot={shot}", "--window-size=1300,900", url, user_dir=tmp_path / "p2")
+    assert shot.stat().st_size > 10_000
