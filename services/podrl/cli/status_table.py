@@ -14,10 +14,17 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     run.add_column("value")
     run.add_row("phase", str(status["phase"]))
     run.add_row("ready", "yes" if status["ready"] else "no")
-    run.add_row("step", str(status["step"]))
+    total = status.get("steps_total")
+    run.add_row("step", f"{status['step']} / {total}" if total else str(status["step"]))
     run.add_row("policy version", str(status["policy_version"]))
     run.add_row("healthy pods", ", ".join(status["healthy_pods"]) or "-")
     run.add_row("uptime", f"{status['uptime_seconds']:.0f} s")
+    metrics = status.get("last_step_metrics", {})
+    for name in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "logprob_diff_max"):
+        if isinstance(metrics.get(name), int | float):
+            run.add_row(name, f"{metrics[name]:.4g}")
+    if status.get("error"):
+        run.add_row("error", f"[red]{status['error']}[/]")
     for phase, seconds in status.get("phase_seconds", {}).items():
         run.add_row(f"last {phase}", f"{seconds:.2f} s")
     console.print(run)

@@ -80,6 +80,9 @@ def _rpc_error(err: grpc.RpcError) -> str:
     return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
 
 
+_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class GrpoLoop:
     def __init__(
         self,
@@ -122,6 +125,10 @@ class GrpoLoop:
             self.state.set_phase("waiting_for_workers")
             stop.wait(0.2)
 
+    def _on_rpc_failure(self, address: str, err: grpc.RpcError) -> None:
+        if err.code() in _TRANSPORT_FAILURES:
+            self.state.registry.mark_unreachable(address)
+
     def _fan_out(self, calls: list[Callable[[], T]]) -> list[T]:
         return [future.result() for future in [self._pool.submit(call) for call in calls]]
 
@@ -160,6 +167,7 @@ class GrpoLoop:
             try:
                 return self.clients.generator(address).Generate(request, timeout=self.clients.long)
             except grpc.RpcError as err:
+                self._on_rpc_failure(address, err)
                 raise StepFailedError(
                     "generate", f"generator {address}: {_rpc_error(err)}"
                 ) from err
@@ -208,6 +216,7 @@ class GrpoLoop:
                     grader_pb2.ScoreRequest(items=chunk), timeout=self.clients.long
                 )
             except grpc.RpcError as err:
+                self._on_rpc_failure(address, err)
                 raise StepFailedError("score", f"grader {address}: {_rpc_error(err)}") from err
 
         chunks = _split(items, len(graders))

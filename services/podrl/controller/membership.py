@@ -103,6 +103,14 @@ class MemberRegistry:
             member.state = controller_pb2.WORKER_STATE_DRAINING
             return True
 
+    def mark_unreachable(self, address: str) -> None:
+        """A call to ``address`` failed at the transport level: treat the member as gone until
+        it heartbeats or registers again (faster than waiting for the heartbeat timeout)."""
+        with self._lock:
+            for member in self._members.values():
+                if member.address == address:
+                    member.state = controller_pb2.WORKER_STATE_GONE
+
     def _healthy(self, member: Member, now: float) -> bool:
         return (
             member.state == controller_pb2.WORKER_STATE_SERVING

@@ -1,0 +1,212 @@
+"""The GRPO loop across four real processes (real vLLM, real gRPC, real shared memory).
+
+One scenario per module (an engine start costs about a minute on 2 cores): a short run of the
+copy task, during which the controller is SIGKILLed and restarted, and later the grader is
+SIGKILLed in the middle of a step and restarted. The tests then check what the run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from podrl.cli.local_cluster import LocalCluster
+from podrl.config import load_config
+from podrl.v1 import common_pb2, generator_pb2_grpc, trainer_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+STEPS = 7
+PROMPTS = 4
+GROUP = 4
+
+
+def _config(tmp_path: Path) -> Path:
+    config = {
+        "name": "e2e",
+        "run_dir": str(tmp_path / "run"),
+        "device": "cpu",
+        "controller": {"heartbeat_interval_seconds": 0.5, "heartbeat_timeout_seconds": 3},
+        "grader": {"workers": 2, "item_timeout_seconds": 5},
+        "tasks": {
+            "definitions": [
+                {
+                    "name": "copy",
+                    "source": {"kind": "procedural", "generator": "copy", "alphabet": "abc"},
+                    "template": "{question}",
+                    "target_template": "{answer}\n",
+                    "rewards": [
+                        {"name": "char_match", "weight": 0.5, "params": {"stop": "\n"}},
+                        {
+                            "name": "tests.controller.slow_reward:slow_exact_match",
+                            "weight": 0.5,
+                            "params": {"delay": 0.15},
+                        },
+                    ],
+                }
+            ]
+        },
+        "loop": {
+            "steps": STEPS,
+            "prompts_per_step": PROMPTS,
+            "sampling": {"n": GROUP, "max_tokens": 4, "stop": ["\n"], "temperature": 1.0},
+            "checkpoint_every": 3,
+            "max_step_attempts": 5,
+        },
+        "trainer": {"lr": 1.0e-3},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _status(cluster: LocalCluster) -> dict[str, Any]:
+    try:
+        return httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
+    except httpx.HTTPError:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp_path = tmp_path_factory.mktemp("e2e")
+    config_path = _config(tmp_path)
+    config = load_config(config_path, env=dict(os.environ))
+    cluster = LocalCluster(config, str(config_path))
+    cluster.start()
+    observed: dict[str, Any] = {"config": config}
+    try:
+        cluster.wait_ready(timeout=400)
+        # 1. the controller dies mid-run (SIGKILL: no checkpoint, no goodbye) and comes back.
+        _wait(lambda: _status(cluster).get("step", 0) >= 2, 300, "step 2")
+        cluster.child("controller").process.send_signal(signal.SIGKILL)
+        cluster.child("controller").process.wait()
+        cluster.restart("controller")
+        _wait(lambda: _status(cluster).get("ready"), 120, "the restarted controller")
+        # 2. the grader dies while it scores a step, and comes back.
+        _wait(lambda: _status(cluster).get("step", 0) >= 4, 300, "step 4")
+        _wait(lambda: _status(cluster).get("phase") == "score", 120, "a score phase")
+        observed["grader_killed_during_step"] = _status(cluster)["step"] + 1
+        cluster.child("grader").process.send_signal(signal.SIGKILL)
+        cluster.child("grader").process.wait()
+        cluster.restart("grader")
+        final = _wait(
+            lambda: (s := _status(cluster)).get("phase") in ("finished", "failed") and s, 600, "end"
+        )
+        observed["status"] = final
+        observed["steps"] = httpx.get(f"{cluster.rest_url}/v1/steps", timeout=5).json()
+        observed["metrics"] = httpx.get(f"{cluster.rest_url}/metrics", timeout=5).text
+        with grpc.insecure_channel(cluster.child("trainer").grpc_address) as channel:
+            observed["trainer"] = trainer_pb2_grpc.TrainerStub(channel).Info(
+                common_pb2.InfoRequest(), timeout=10
+            )
+        with grpc.insecure_channel(cluster.child("generator").grpc_address) as channel:
+            observed["generator"] = generator_pb2_grpc.GeneratorStub(channel).Info(
+                common_pb2.InfoRequest(), timeout=10
+            )
+        observed["controller_log"] = cluster.child("controller").log_path.read_text()
+    finally:
+        cluster.stop(grace=30, controller_first=True)
+    run_dir = config.run_dir
+    observed["samples"] = [
+        json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
+    ]
+    observed["summary"] = json.loads((run_dir / "summary.json").read_text())
+    return observed
+
+
+def test_the_run_finishes_every_step_once(scenario: dict[str, Any]) -> None:
+    assert scenario["status"]["phase"] == "finished", scenario["status"].get("error")
+    assert [s["step"] for s in scenario["steps"]] == list(range(1, STEPS + 1))
+    assert scenario["summary"]["steps"] == STEPS
+
+
+def test_generator_version_follows_the_trainer(scenario: dict[str, Any]) -> None:
+    trained = [s for s in scenario["steps"] if s["metrics"].get("trained", True)]
+    final_version = scenario["trainer"].policy_version
+    assert final_version == len(trained)
+    assert scenario["generator"].policy_version == final_version
+    versions = [s["policy_version"] for s in scenario["steps"]]
+    assert versions == sorted(versions) and versions[-1] == final_version
+
+
+def test_samples_carry_the_version_that_produced_them(scenario: dict[str, Any]) -> None:
+    version_before = {1: 0}
+    for record in scenario["steps"]:
+        version_before[record["step"] + 1] = record["policy_version"]
+    assert scenario["samples"]
+    for sample in scenario["samples"]:
+        assert sample["policy_version"] == version_before[sample["step"]], sample
+
+
+def test_rewards_and_metrics_are_recorded(scenario: dict[str, Any]) -> None:
+    for record in scenario["steps"]:
+        metrics = record["metrics"]
+        if metrics.get("recovered"):
+            continue  # trained before the controller died; its samples died with it
+        assert 0.0 <= metrics["reward_mean"] <= 1.0
+        assert metrics["tokens_generated"] > 0
+        if metrics["trained"]:
+            for name in ("loss", "entropy", "grad_norm", "logprob_diff_max"):
+                assert name in metrics
+            # The generator's logprobs are the trainer's own: weights really moved.
+            assert metrics["logprob_diff_max"] < 1e-3
+    families = {f.name: f for f in text_string_to_metric_families(scenario["metrics"])}
+    phases = {s.labels["phase"] for s in families["podrl_step_phase_seconds"].samples}
+    assert {"generate", "score", "train", "sync"} <= phases
+
+
+def test_restart_neither_repeats_nor_skips_prompts(scenario: dict[str, Any]) -> None:
+    by_step: dict[int, set[str]] = {}
+    for sample in scenario["samples"]:
+        by_step.setdefault(sample["step"], set()).add(sample["prompt_id"])
+    for record in scenario["steps"]:
+        if record["metrics"].get("recovered"):
+            by_step[record["step"]] = set(record["metrics"]["prompt_ids"])
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    seen = [pid for step in sorted(by_step) for pid in sorted(by_step[step])]
+    assert len(seen) == len(set(seen)), "a prompt was trained on twice"
+    expected = {f"copy/{i}" for i in range(STEPS * PROMPTS)}
+    assert set(seen) == expected, "prompts were skipped"
+    # Each prompt has exactly one group of samples (no half-kept attempts).
+    counts: dict[str, int] = {}
+    for sample in scenario["samples"]:
+        counts[sample["prompt_id"]] = counts.get(sample["prompt_id"], 0) + 1
+    assert set(counts.values()) == {GROUP}
+
+
+def test_a_grader_dying_mid_step_fails_the_attempt_loudly_and_retries(
+    scenario: dict[str, Any],
+) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(scenario["metrics"])}
+    failures = {
+        s.labels["phase"]: s.value
+        for s in families["podrl_step_failures"].samples
+        if s.name.endswith("_total")
+    }
+    assert failures.get("score", 0) >= 1
+    step = scenario["grader_killed_during_step"]
+    assert f"step {step} attempt 1/5 failed in score" in scenario["controller_log"]
+    trained = [s for s in scenario["steps"] if s["step"] == step]
+    assert len(trained) == 1 and trained[0]["metrics"]["score_errors"] == 0
