@@ -140,6 +140,7 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
 
         need, have = 3 * src_bytes + 2 * dst_bytes, psutil.virtual_memory().available
     else:
+        # params + (buckets | flat copy) here, the destination in the generator process
         need, have = 2 * src_bytes + 2 * dst_bytes, torch.cuda.mem_get_info()[0]
     if need > have:
         result["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"
@@ -197,6 +198,9 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
         result["memcpy_ms"] = 1e3 * statistics.median(times[args.warmup :])
         publisher.close()
     finally:
+        params = flat_src = flat_dst = None
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         parent.send_bytes(b"quit")
         proc.join(timeout=120)
     return result

@@ -101,6 +101,18 @@ def local_shards(params: Mapping[str, torch.Tensor]) -> list[LocalShard]:
     return out
 
 
+def storage_key(params: Mapping[str, torch.Tensor]) -> tuple:
+    """A cheap value that changes with the storage behind ``params`` (compared each publish;
+    :func:`storage_fingerprint` is computed only when it changed)."""
+    from torch.distributed.tensor import DTensor
+
+    key = []
+    for name, param in params.items():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        key.append((name, local.data_ptr(), local.dtype, tuple(local.shape), local.stride()))
+    return tuple(key)
+
+
 def storage_fingerprint(shards: Iterable[LocalShard]) -> str:
     """A hash that changes whenever the published storage changes.
 

@@ -34,6 +34,16 @@ class CopyOp:
 class CopyPlan:
     def __init__(self, ops: list[CopyOp]) -> None:
         self.ops = ops
+        # One multi-tensor copy per (source device/dtype, destination device/dtype) group:
+        # a few kernel launches per sync instead of one per slice.
+        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for op in ops:
+            key = (op.src.device, op.src.dtype, op.dst.device, op.dst.dtype)
+            dsts, srcs = groups.setdefault(key, ([], []))
+            dsts.append(op.dst)
+            srcs.append(op.src)
+        self._groups = list(groups.values())
+        self._on_cuda = any(op.dst.is_cuda or op.src.is_cuda for op in ops)
 
     @property
     def nbytes(self) -> int:
@@ -70,8 +80,9 @@ class CopyPlan:
         return cls(ops)
 
     def run(self) -> None:
+        """Copy every op (slice + cast); on CUDA, returns when the copies are done."""
         with torch.no_grad():
-            for op in self.ops:
-                op.dst.copy_(op.src)
-        if any(op.dst.is_cuda or op.src.is_cuda for op in self.ops):
+            for dsts, srcs in self._groups:
+                torch._foreach_copy_(dsts, srcs)
+        if self._on_cuda:
             torch.cuda.synchronize()

@@ -134,6 +134,8 @@ class WeightPublisher:
         self._segment_bytes = segment_bytes
         self._staging: ShmStaging | None = None
         self._fingerprint: str | None = None
+        self._storage_key: tuple | None = None
+        self._local: list[manifest.LocalShard] = []
         self._shards: list[weights_pb2.TensorShard] = []
         self._pending: int | None = None
         self._acked = threading.Condition()
@@ -162,13 +164,18 @@ class WeightPublisher:
                         f"version {self._pending} is not acknowledged yet; the trainer may not "
                         f"overwrite published weights with version {version}"
                     )
-        local = manifest.local_shards(self._params_fn())
-        if not local:
-            raise PublishError(f"rank {self.rank} has no parameters to publish")
-        fingerprint = manifest.storage_fingerprint(local)
-        direct = self._direct(local)
-        if fingerprint != self._fingerprint:
-            self._rebuild(local, fingerprint, direct)
+        params = self._params_fn()
+        key = manifest.storage_key(params)
+        if key != self._storage_key:
+            # Storage changed (or first publish): describe the shards and hand out new handles.
+            local = manifest.local_shards(params)
+            if not local:
+                raise PublishError(f"rank {self.rank} has no parameters to publish")
+            self._rebuild(local, manifest.storage_fingerprint(local), self._direct(local))
+            self._local, self._storage_key = local, key
+        local = self._local
+        direct = self._staging is None
+        fingerprint = self._fingerprint
         if direct:
             if any(shard.tensor.is_cuda for shard in local):
                 # Kernels of the last optimizer step must be done before anyone reads.
@@ -234,6 +241,7 @@ class WeightPublisher:
             self._staging.close()
             self._staging = None
         self._fingerprint = None
+        self._storage_key = None
         shm.reap_orphaned_segments()
 
 
