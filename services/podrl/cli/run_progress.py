@@ -65,7 +65,7 @@ def follow_run(
     png = plot_reward_curve(steps, config.run_dir / "reward_curve.png", f"podrl {config.name}")
     table = Table(title=f"run {config.name}: {status['phase']}", show_header=False)
     for key in (
-        "steps", "policy_version", "initial_reward_mean", "final_reward_mean",
+        "steps", "policy_version", "initial_reward_mean", "final_reward_mean", "reward_gain",
         "tokens_generated", "wall_seconds",
     ):  # fmt: skip
         value = summary.get(key)

@@ -76,6 +76,10 @@ def _split(items: Sequence[T], parts: int) -> list[list[T]]:
     return [chunk for chunk in chunks if chunk]
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _rpc_error(err: grpc.RpcError) -> str:
     return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
 
@@ -568,8 +572,14 @@ class GrpoLoop:
                 "run_name": self.config.name,
                 "steps": self.state.step,
                 "policy_version": self.state.policy_version,
-                "initial_reward_mean": rewards[0] if rewards else None,
-                "final_reward_mean": rewards[-1] if rewards else None,
+                # Averages over a few steps: one step's mean reward is noisy.
+                "initial_reward_mean": _mean(rewards[:5]),
+                "final_reward_mean": _mean(rewards[-10:]),
+                "reward_gain": (
+                    _mean(rewards[-10:]) / _mean(rewards[:5])
+                    if rewards and _mean(rewards[:5])
+                    else None
+                ),
                 "tokens_generated": sum(s.metrics.get("tokens_generated", 0) for s in steps),
                 "wall_seconds": round(time.monotonic() - self._started, 2),
                 "phase": self.state.phase,
