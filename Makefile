@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m podrl.tools.helm_binary
 	touch $(STAMP)
 
+# The main job: a fresh run of examples/demo.yaml. First a short supervised warm-start that
+# teaches the tiny model the answer format (its loss is printed on its own), then GRPO; the run
+# ends with a summary table and runs/demo/reward_curve.png (docs/demo.md).
+DEMO_CONFIG ?= examples/demo.yaml
 demo: setup
-	$(BIN)/podrl up --self-check
+	rm -rf runs/demo
+	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps 30
+	$(BIN)/podrl run $(DEMO_CONFIG)
 
 test: setup
 	$(BIN)/ruff check services tests bench
@@ -35,7 +41,7 @@ lint: setup
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
 
-# Regenerate the committed gRPC stubs from proto/ (tests/test_proto_drift.py checks this).
+# Regenerate the committed gRPC stubs from proto/ (tests/foundation/test_repository.py checks).
 proto: setup
 	$(BIN)/python -m podrl.tools.gen_proto
 
