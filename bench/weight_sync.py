@@ -206,6 +206,11 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
     return result
 
 
+def _settings(args: argparse.Namespace) -> dict:
+    """The run's options without file paths (results are committed; paths are machine-local)."""
+    return {k: v for k, v in vars(args).items() if not isinstance(v, Path) and k != "out"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r[m + '_ms']:>13.2f}" for m in MODES)
         print(f"{r['shape']:<6} {dtypes:<18} {r['src_bytes'] / 2**30:>6.2f} {cells}")
     if args.out:
-        args.out.write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=2))
+        args.out.write_text(json.dumps({"settings": _settings(args), "results": results}, indent=2))
     return 0
 
 
