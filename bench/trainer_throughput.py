@@ -27,22 +27,18 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from podrl.models.qwen3_shapes import QWEN3_SHAPES
+
 PEAK_BF16_FLOPS = 989e12
-QWEN3 = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 vocab_size=151936, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
 
 
 def write_random_model(shape: str, out: Path) -> int:
     """A Qwen3 folder with random bf16 weights (created on the GPU: fast); returns N params."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**QWEN3[shape], max_position_embeddings=4096, torch_dtype="bfloat16")
+    config = Qwen3Config(
+        **QWEN3_SHAPES[shape], max_position_embeddings=4096, torch_dtype="bfloat16"
+    )
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
@@ -54,7 +50,7 @@ def write_random_model(shape: str, out: Path) -> int:
 
 
 def train_flops_per_token(shape: str, params: int, seq: int) -> float:
-    cfg = QWEN3[shape]
+    cfg = QWEN3_SHAPES[shape]
     non_embedding = params - cfg["vocab_size"] * cfg["hidden_size"]
     attention = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * seq
     return 6 * non_embedding + attention
