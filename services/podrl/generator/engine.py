@@ -157,9 +157,13 @@ class VllmEngine:
 
     async def _build(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self._config
+        chunked_prefill = cfg.enable_chunked_prefill
+        if chunked_prefill is None and current_platform.is_cpu():
+            chunked_prefill = False  # see GeneratorConfig.enable_chunked_prefill
         args = AsyncEngineArgs(
             model=str(self._model_path),
             dtype=cfg.dtype,
@@ -170,6 +174,7 @@ class VllmEngine:
             enforce_eager=cfg.enforce_eager,
             seed=cfg.seed,
             max_num_seqs=cfg.max_num_seqs,
+            enable_chunked_prefill=chunked_prefill,
             logprobs_mode=cfg.logprobs_mode,
             enable_sleep_mode=cfg.enable_sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
@@ -183,11 +188,16 @@ class VllmEngine:
                 self._run(self._engine.collective_rpc("podrl_release_weights"), 30)
             except Exception:
                 log.exception("releasing weight handles failed")
-            self._engine.shutdown()
+            # On the loop thread: vLLM's output handler is cancelled before it can see the
+            # engine core go away (else it logs a spurious EngineDeadError).
+            self._run(self._shutdown_engine(), 120)
             self._engine = None
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+    async def _shutdown_engine(self) -> None:
+        self._engine.shutdown()
 
     # ---- generation ----------------------------------------------------------------------
 
