@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -11,20 +10,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from podrl.cli.ports import free_ports
 from podrl.cli.probes import grpc_health, http_ready
+from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
 
 SERVICES = ("controller", "generator", "grader", "trainer")
 WORKER_ID = "local-0"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the launcher dies (even by SIGKILL), the kernel sends
-    the child SIGTERM, so no service outlives `podrl up`."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ChildExitedError(RuntimeError):
@@ -120,7 +111,7 @@ class LocalCluster:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the launcher, which stops in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         return Child(name, process, log_path, f"{self.host}:{self.ports[grpc_ports[name]]}")
 

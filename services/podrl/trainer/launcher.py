@@ -10,7 +10,6 @@ get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,14 +19,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from podrl.common.processes import die_with_parent
 from podrl.config import RunConfig
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
@@ -54,7 +49,7 @@ def launch_ranks(config: RunConfig, argv: Sequence[str]) -> int:
             command,
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         for rank in range(world)
     ]
