@@ -61,6 +61,11 @@ def test_sigterm_stops_every_child(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         _assert_all_gone(list(children.values()))
+        # Each service went through its graceful path (NOT_SERVING, drain, stop), none was killed.
+        for name in children:
+            log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+            assert f"{name} shutting down (SIGTERM)" in log, name
+            assert f"{name} stopped" in log, name
     finally:
         proc.kill()
 
