@@ -468,9 +468,15 @@ class GrpoLoop:
                 "position": self.source.position(),
             }
         ).encode()
-        reply = self.clients.trainer(self._trainer()).SaveCheckpoint(
-            trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
-        )
+        try:
+            reply = self.clients.trainer(self._trainer()).SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
+            )
+        except grpc.RpcError as err:
+            # The run can go on: the previous checkpoint and the SQLite history still hold.
+            log.error("checkpoint of step %d failed: %s", self.state.step, _rpc_error(err))
+            self.state.set_error(f"checkpoint failed: {_rpc_error(err)}")
+            return ""
         self.store.put("checkpoint", {"path": reply.path, "step": self.state.step})
         log.info("checkpoint of step %d at %s", self.state.step, reply.path)
         return reply.path
@@ -556,12 +562,20 @@ class GrpoLoop:
             self._write_summary()
             self.state.set_phase("finished" if self.state.step >= self.loop.steps else "stopped")
         except (RunFailedError, StepFailedError) as err:
-            log.error("run failed: %s", err)
-            self.state.set_error(str(err))
-            self.state.set_phase("failed")
-            self._write_summary()
+            self._fail(str(err))
+        except grpc.RpcError as err:
+            self._fail(f"unexpected RPC failure: {_rpc_error(err)}")
+        except Exception as err:  # the status page must say the loop is dead, and why
+            log.exception("GRPO loop crashed")
+            self._fail(f"loop crashed: {type(err).__name__}: {err}")
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fail(self, error: str) -> None:
+        log.error("run failed: %s", error)
+        self.state.set_error(error)
+        self.state.set_phase("failed")
+        self._write_summary()
 
     def _write_summary(self) -> None:
         steps = self.store.steps()
