@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_publications
@@ -69,6 +70,11 @@ class TrainerWeightSync:
         """Every rank: prepare this rank's shards; rank 0 returns the PublishWeightsResponse."""
         request = trainer_pb2.PublishWeightsRequest.FromString(payload)
         version = self.engine.policy_version
+        # A forward without backward (e.g. logits for a check) leaves FSDP2's root unsharded,
+        # with the module's parameters swapped for gathered copies: publish the sharded ones.
+        for module in self.engine.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         part = self.publisher.prepare(version, ack_timeout=0.0)
         parts = gather_publications(part) if torch.distributed.is_initialized() else [part]
         if self.rank != 0:
