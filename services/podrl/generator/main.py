@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
 from podrl.generator.engine import VllmEngine
-from podrl.generator.model_files import ensure_model_folder
 from podrl.generator.servicer import GeneratorServicer
+from podrl.models.folders import ensure_model_folder
 from podrl.v1 import generator_pb2_grpc
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from podrl.config import ConfigError, RunConfig
+from podrl.models.folders import default_model_folder, ensure_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -90,25 +89,8 @@ def init_distributed(config: RunConfig, env: RankEnv, device: torch.device) -> D
 def resolve_model_path(config: RunConfig) -> Path:
     """The configured model folder, or the project's tiny model (written once, atomically)."""
     if config.trainer.model_path is not None:
-        path = Path(config.trainer.model_path).absolute()
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"trainer.model_path: {path} has no config.json; point it at a Hugging Face "
-                "safetensors folder (or `podrl make-tiny-model DIR`)"
-            )
-        return path
-    path = (Path(config.run_dir) / "models" / "tiny").absolute()
-    if not (path / "config.json").is_file():
-        from podrl.models.tiny import make_tiny_model
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
-        make_tiny_model(staging)
-        try:
-            staging.rename(path)
-        except OSError:  # another process (generator, other rank) got there first: same bytes
-            shutil.rmtree(staging, ignore_errors=True)
-    return path
+        return ensure_model_folder(Path(config.trainer.model_path), False, "trainer.model_path")
+    return ensure_model_folder(default_model_folder(config.run_dir), True)
 
 
 def load_hf_model(path: Path, attn_implementation: str) -> PreTrainedModel:

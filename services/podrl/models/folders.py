@@ -1,4 +1,8 @@
-"""The model folder the engine loads, created first if it is the project's tiny model."""
+"""Model folders: the configured one, or the project's tiny model written once, atomically.
+
+The trainer and the generator of a pod both resolve `<run_dir>/models/tiny` when no model is
+configured and may start together: whichever comes first writes it, the other uses it.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ class ModelFolderError(ConfigError):
     (a ConfigError, so the service exits with code 2 and the message)."""
 
 
-def ensure_model_folder(path: Path, create_tiny_model_if_missing: bool) -> Path:
+def ensure_model_folder(
+    path: Path, create_tiny_model_if_missing: bool, field: str = "generator.model_path"
+) -> Path:
     """Return ``path`` once it holds a model; write the tiny Qwen3 there first if allowed.
 
     The tiny model is written into a temporary sibling folder and renamed into place, so a
@@ -29,8 +35,8 @@ def ensure_model_folder(path: Path, create_tiny_model_if_missing: bool) -> Path:
         return path
     if not create_tiny_model_if_missing:
         raise ModelFolderError(
-            f"generator.model_path: {path} has no config.json; point it at a Hugging Face model "
-            "folder or set generator.create_tiny_model_if_missing: true"
+            f"{field}: {path} has no config.json; point it at a Hugging Face model folder "
+            "(`podrl make-tiny-model DIR` writes a small one)"
         )
     from podrl.models.tiny import make_tiny_model  # torch + transformers: import late
 
@@ -47,3 +53,8 @@ def ensure_model_folder(path: Path, create_tiny_model_if_missing: bool) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def default_model_folder(run_dir: Path) -> Path:
+    """Where the tiny model lives when no model is configured."""
+    return Path(run_dir) / "models" / "tiny"
