@@ -1,4 +1,5 @@
-"""A real local cluster (the four service processes on loopback), shared per test module."""
+"""A real local cluster (the four service processes on loopback), shared by the foundation tests
+(one vLLM engine start for all of them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from podrl.cli.local_cluster import LocalCluster
 from podrl.config import load_config
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     run_dir = tmp_path_factory.mktemp("run")
     config = load_config(env={**os.environ, "PODRL_RUN_DIR": str(run_dir)})
