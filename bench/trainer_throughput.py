@@ -36,9 +36,7 @@ def write_random_model(shape: str, out: Path) -> int:
     """A Qwen3 folder with random bf16 weights (created on the GPU: fast); returns N params."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        **QWEN3_SHAPES[shape], max_position_embeddings=4096, torch_dtype="bfloat16"
-    )
+    config = Qwen3Config(**QWEN3_SHAPES[shape], max_position_embeddings=4096)
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)

@@ -36,6 +36,7 @@ from podrl.weights.publisher import ManifestAssembler, ShmStaging, WeightPublish
 
 BUCKET_BYTES = 1 << 30
 MODES = ("podrl", "per_param", "buckets", "memcpy")
+COPY_VARIANTS = ("foreach_devsync", "loop_event", "plan")
 
 
 def describe(shape: str, layers: int | None) -> ModelDescription:
@@ -94,35 +95,78 @@ def _pack_cuda(local: list, bucket_bytes: int, keep: list) -> list[torch.Tensor]
     return views
 
 
+def _run_variant(plan, variant: str) -> None:
+    """The copy of a cached plan, three ways (measured against each other in one run)."""
+    with torch.no_grad():
+        if variant == "foreach_devsync":  # the previous plan: multi-tensor copy, device sync
+            groups: dict[tuple, tuple[list, list]] = {}
+            for op in plan.ops:
+                key = (op.src.device, op.src.dtype, op.dst.device, op.dst.dtype)
+                groups.setdefault(key, ([], []))
+                groups[key][0].append(op.dst)
+                groups[key][1].append(op.src)
+            for dsts, srcs in groups.values():
+                torch._foreach_copy_(dsts, srcs)
+            for index in plan._cuda_devices:
+                torch.cuda.synchronize(index)
+            return
+        if variant == "loop_event":  # one copy_ per slice, then an event per device
+            for op in plan.ops:
+                op.dst.copy_(op.src, non_blocking=True)
+        else:  # "plan": what apply() runs (one CUDA graph on one GPU, else the loop)
+            plan.launch()
+    plan.wait()
+
+
 def generator_process(conn, shape: str, layers: int | None, dst_dtype: str, device: str) -> None:
-    """The generator: applies what arrives (protobuf bytes) and acknowledges."""
+    """The generator: applies what arrives (protobuf bytes) and acknowledges.
+
+    The ack carries its timestamps (perf_counter: CLOCK_MONOTONIC, comparable across processes
+    on one host) so the trainer can split a sync into stages.
+    """
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # like a vLLM worker on its own GPU
     description = describe(shape, layers)
     layout = vllm_layout(description, 0, 1)
     dtype = parse_dtype(dst_dtype)
-    dst = {n: torch.empty(t.shape, dtype=dtype, device=device) for n, t in layout.items()}
+    dst = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in layout.items()}
     cached = WeightReceiver(description, layout=layout, device=device)
     while True:
         message = conn.recv_bytes()
+        received = time.perf_counter()
         if message == b"quit":
             return
         mode, payload = message.split(b"|", 1)
         update = weights_pb2.WeightManifest.FromString(payload)
+        stamps = {"received": received, "parsed": time.perf_counter()}
         if mode == b"podrl":
             cached.apply(update, dst)
+        elif mode.startswith(b"staged:"):
+            # The steps of apply() one by one, timed; the copy done one of three ways.
+            cached.validate(update)
+            plan = cached._cached.plan
+            stamps["validated"] = time.perf_counter()
+            _run_variant(plan, mode.split(b":", 1)[1].decode())
+            cached.version = update.version
         else:  # every step: a new receiver, handles opened and the plan compiled afresh
             fresh = WeightReceiver(description, layout=layout, device=device)
             fresh.apply(update, dst)
             del fresh
-        conn.send_bytes(b"ack")
+        stamps["copied"] = time.perf_counter()
+        conn.send_bytes(json.dumps(stamps).encode())
 
 
-def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch.dtype) -> dict:
+def run_shape(
+    args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch.dtype, placement: str
+) -> dict:
     description = describe(shape, args.layers)
     numel = sum(math.prod(s) for s in description.params.values())
     src_bytes, dst_bytes = numel * src.itemsize, numel * dst.itemsize
-    result = {"shape": shape, "layers": args.layers, "params": numel, "src_dtype": str(src),
-              "dst_dtype": str(dst), "device": args.device, "src_bytes": src_bytes}  # fmt: skip
+    cuda = args.device == "cuda"
+    result = {"shape": shape, "placement": placement, "layers": args.layers, "params": numel,
+              "src_dtype": str(src), "dst_dtype": str(dst), "device": args.device,
+              "src_bytes": src_bytes}  # fmt: skip
     if args.device == "cpu":
         # source + staging + per-step copy (trainer), destination (generator), some slack
         import psutil  # dev dependency; only the CPU check needs it
@@ -135,12 +179,16 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
         result["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"
         print(f"skip {shape} {src}->{dst}: {result['skipped']}", file=sys.stderr)
         return result
-    params = make_params(description, src, args.device)
+    src_device, dst_device = "cuda:0" if cuda else "cpu", "cpu"
+    if cuda:
+        dst_device = "cuda:1" if placement == "peer" else "cuda:0"
+    result["src_device"], result["dst_device"] = src_device, dst_device
+    params = make_params(description, src, src_device)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     dst_name = str(dst).removeprefix("torch.")
     proc = ctx.Process(
-        target=generator_process, args=(child, shape, args.layers, dst_name, args.device)
+        target=generator_process, args=(child, shape, args.layers, dst_name, dst_device)
     )
     proc.start()
     try:
@@ -148,19 +196,33 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
         assembler = ManifestAssembler("bench")
         version = 0
 
-        def sync(mode: str, make) -> float:
+        def sync(mode: str, make) -> dict[str, float]:
+            """One sync; its stages in ms (ready -> manifest -> parsed -> copied -> acked)."""
             nonlocal version
             version += 1
             keep: list = []
             started = time.perf_counter()
             update = make(version, keep)
-            parent.send_bytes(mode.encode() + b"|" + update.SerializeToString())
-            assert parent.recv_bytes() == b"ack"
-            elapsed = time.perf_counter() - started
+            message = mode.encode() + b"|" + update.SerializeToString()
+            published = time.perf_counter()
+            parent.send_bytes(message)
+            stamps = json.loads(parent.recv_bytes())
+            acked = time.perf_counter()
             for item in keep:
                 if isinstance(item, ShmStaging):
                     item.close()
-            return elapsed
+            stages = {
+                "total": acked - started,
+                "publish": published - started,
+                "control_in": stamps["parsed"] - published,
+                "ack": acked - stamps["copied"],
+            }
+            if "validated" in stamps:  # staged: validate, then the copy (launch + wait)
+                stages["validate"] = stamps["validated"] - stamps["parsed"]
+                stages["copy"] = stamps["copied"] - stamps["validated"]
+            else:  # receiver.apply() as a whole (validate, run the cached plan, wait)
+                stages["apply"] = stamps["copied"] - stamps["parsed"]
+            return stages
 
         def podrl(v: int, keep: list) -> weights_pb2.WeightManifest:
             part = publisher.prepare(v)
@@ -172,23 +234,37 @@ def run_shape(args: argparse.Namespace, shape: str, src: torch.dtype, dst: torch
             "per_param": lambda v, keep: per_step_manifest(params, v, None, keep),
             "buckets": lambda v, keep: per_step_manifest(params, v, BUCKET_BYTES, keep),
         }
-        for mode, make in makers.items():
-            times = [sync(mode, make) for _ in range(args.warmup + args.reps)][args.warmup :]
-            result[mode + "_ms"] = 1e3 * statistics.median(times)
-        flat_src = torch.empty(numel, dtype=src, device=args.device)
-        flat_dst = torch.empty(numel, dtype=dst, device=args.device)
+        runs = [(mode, mode, make) for mode, make in makers.items()]
+        if cuda:  # the podrl sync again, apply() taken apart to time the copy variants
+            runs += [(f"staged_{v}", f"staged:{v}", podrl) for v in COPY_VARIANTS]
+        for label, mode, make in runs:
+            samples = [sync(mode, make) for _ in range(args.warmup + args.reps)][args.warmup :]
+            result[label + "_ms"] = 1e3 * statistics.median(s["total"] for s in samples)
+            if label == "podrl" or label.startswith("staged_"):
+                result[label + "_stages_ms"] = {
+                    k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]
+                }
+        flat_src = torch.empty(numel, dtype=src, device=src_device)
+        flat_dst = torch.empty(numel, dtype=dst, device=dst_device)
         times = []
         for _ in range(args.warmup + args.reps):
             started = time.perf_counter()
             flat_dst.copy_(flat_src)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize(src_device)
+                torch.cuda.synchronize(dst_device)
             times.append(time.perf_counter() - started)
         result["memcpy_ms"] = 1e3 * statistics.median(times[args.warmup :])
+        result["podrl_over_memcpy"] = result["podrl_ms"] / result["memcpy_ms"]
+        if cuda:
+            copy = result["staged_plan_stages_ms"]["copy"]
+            result["copy_over_memcpy"] = copy / result["memcpy_ms"]
+        result["buckets_over_podrl"] = result["buckets_ms"] / result["podrl_ms"]
+        result["per_param_over_podrl"] = result["per_param_ms"] / result["podrl_ms"]
         publisher.close()
     finally:
         params = flat_src = flat_dst = None
-        if args.device == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
         parent.send_bytes(b"quit")
         proc.join(timeout=120)
@@ -207,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="bf16", help="bf16 (bf16->bf16), fp32->bf16, or a comma list"
     )
+    parser.add_argument(
+        "--placements",
+        default="same",
+        help="CUDA: same (generator on the trainer's GPU), peer (GPU0 -> GPU1), or both",
+    )
     parser.add_argument("--layers", type=int, default=None, help="cut decoder layers (CPU runs)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -222,18 +303,32 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.dtype.split(","):
         src, _, dst = spec.partition("->")
         pairs.append((parse_dtype(src.strip()), parse_dtype((dst or src).strip())))
-    results = [run_shape(args, shape, s, d) for shape in shapes for s, d in pairs]
-    header = f"{'shape':<6} {'dtypes':<18} {'GiB':>6} " + " ".join(
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    if args.device == "cpu":
+        placements = ["same"]
+    elif "peer" in placements and torch.cuda.device_count() < 2:
+        parser.error("--placements peer: needs two visible GPUs")
+    results = [
+        run_shape(args, shape, s, d, placement)
+        for placement in placements
+        for shape in shapes
+        for s, d in pairs
+    ]
+    header = f"{'where':<5} {'shape':<6} {'dtypes':<18} {'GiB':>6} " + " ".join(
         f"{m + ' ms':>13}" for m in MODES
     )
     print(header)
     for r in results:
         dtypes = f"{r['src_dtype'][6:]}->{r['dst_dtype'][6:]}"
         if "skipped" in r:
-            print(f"{r['shape']:<6} {dtypes:<18} skipped: {r['skipped']}")
+            print(f"{r['placement']:<5} {r['shape']:<6} {dtypes:<18} skipped: {r['skipped']}")
             continue
         cells = " ".join(f"{r[m + '_ms']:>13.2f}" for m in MODES)
-        print(f"{r['shape']:<6} {dtypes:<18} {r['src_bytes'] / 2**30:>6.2f} {cells}")
+        gib = r["src_bytes"] / 2**30
+        print(f"{r['placement']:<5} {r['shape']:<6} {dtypes:<18} {gib:>6.2f} {cells}")
+        for key in sorted(k for k in r if k.endswith("_stages_ms")):
+            stages = "  ".join(f"{k} {v:.2f}" for k, v in r[key].items())
+            print(f"      {key.removesuffix('_stages_ms'):<24} {stages}")
     if args.out:
         args.out.write_text(json.dumps({"settings": _settings(args), "results": results}, indent=2))
     return 0

@@ -32,7 +32,7 @@ class CopyOp:
 
 
 class CopyPlan:
-    def __init__(self, ops: list[CopyOp]) -> None:
+    def __init__(self, ops: list[CopyOp], *, use_graph: bool = True) -> None:
         self.ops = ops
         # One multi-tensor copy per (source device/dtype, destination device/dtype) group:
         # a few kernel launches per sync instead of one per slice.
@@ -42,8 +42,21 @@ class CopyPlan:
             dsts, srcs = groups.setdefault(key, ([], []))
             dsts.append(op.dst)
             srcs.append(op.src)
-        self._groups = list(groups.values())
-        self._on_cuda = any(op.dst.is_cuda or op.src.is_cuda for op in ops)
+        self._groups = list(groups.items())
+        # Every CUDA device a copy touches: a peer copy runs on the source device's stream and
+        # the destination's stream waits for it, so completion is awaited on both.
+        self._cuda_devices = sorted(
+            {t.device.index for op in ops for t in (op.src, op.dst) if t.is_cuda}
+        )
+        # A plan that stays on one GPU is replayed as one CUDA graph: hundreds of copies with
+        # one launch (measured on an H200: launch gaps, not bandwidth, set the time of a
+        # 1.7B sync). Peer copies (GPU0 -> GPU1) are launched one by one.
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_wanted = (
+            use_graph
+            and len(self._cuda_devices) == 1
+            and all(op.src.is_cuda and op.dst.is_cuda for op in ops)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +69,8 @@ class CopyPlan:
         sources: Mapping[str, Sequence[SourceShard]],
         layout: TargetLayout,
         destinations: Mapping[str, torch.Tensor],
+        *,
+        use_graph: bool = True,
     ) -> CopyPlan:
         ops = []
         for target in layout.values():
@@ -77,12 +92,55 @@ class CopyPlan:
                     src_view = source.tensor[block.slices(source.box.offset)]
                     dst_view = dst[block.shifted(delta).slices(origin)]
                     ops.append(CopyOp(target.name, src_view, dst_view))
-        return cls(ops)
+        return cls(ops, use_graph=use_graph)
+
+    @property
+    def uses_graph(self) -> bool:
+        return self._graph is not None
+
+    def _copy_eagerly(self) -> None:
+        with torch.no_grad():
+            for (src_device, _, dst_device, _), (dsts, srcs) in self._groups:
+                if src_device.type == "cpu" and dst_device.type == "cpu":
+                    torch._foreach_copy_(dsts, srcs)
+                else:
+                    # One copy_ per slice: a cudaMemcpy (same dtype) or a vectorised cast
+                    # kernel each, near memory bandwidth; torch._foreach_copy_'s multi-tensor
+                    # kernel measured 1.3x slower on the 8B shape.
+                    for dst, src in zip(dsts, srcs, strict=True):
+                        dst.copy_(src, non_blocking=True)
+
+    def launch(self) -> None:
+        """Enqueue every copy (slice + cast); on CUDA this returns before the copies finish."""
+        if self._graph is not None:
+            with torch.cuda.device(self._cuda_devices[0]):
+                self._graph.replay()
+            return
+        self._copy_eagerly()
+        if self._graph_wanted:  # the first run was eager; capture it for the next ones
+            self._graph_wanted = False
+            with torch.cuda.device(self._cuda_devices[0]):
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        self._copy_eagerly()
+                except RuntimeError:  # capture unsupported here: stay eager
+                    return
+            self._graph = graph
+
+    def wait(self) -> None:
+        """Block until the launched copies are done: an event on each involved device's
+        current stream (not a device-wide synchronize, which would also wait for unrelated
+        work such as inference running on other streams)."""
+        events = []
+        for index in self._cuda_devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(index))
+            events.append(event)
+        for event in events:
+            event.synchronize()
 
     def run(self) -> None:
         """Copy every op (slice + cast); on CUDA, returns when the copies are done."""
-        with torch.no_grad():
-            for dsts, srcs in self._groups:
-                torch._foreach_copy_(dsts, srcs)
-        if self._on_cuda:
-            torch.cuda.synchronize()
+        self.launch()
+        self.wait()
