@@ -11,7 +11,8 @@ Failure semantics (never train on partial data):
 - train: ``Train`` is all-or-nothing on the trainer. If the call fails, the loop asks the trainer
   for its version: unchanged → retry the step; advanced → the step was applied (reply lost) and
   the loop goes on to the weight sync; trainer unreachable → the run fails.
-- sync: retried; a generator that lost its cached plan (restart) gets a full manifest.
+- sync: the trainer already advanced, so only the sync is retried (never the step: that would
+  train on its prompts twice); a generator that lost its cached plan gets a full manifest.
 
 Restart: the data position after every step and the step in flight are in SQLite
 (``run_store``), so a restarted controller asks the trainer for its policy version and continues
@@ -343,6 +344,23 @@ class GrpoLoop:
         except grpc.RpcError as err:
             raise StepFailedError("sync", f"AcknowledgeWeights: {_rpc_error(err)}") from err
 
+    def _sync_with_retries(self, version: int) -> None:
+        """The trainer already holds ``version``: a failed sync is retried on its own (redoing
+        the step would train on its prompts twice). Republishing a pending version is allowed."""
+        for attempt in range(1, self.loop.max_step_attempts + 1):
+            try:
+                self.sync_weights(version)
+                return
+            except StepFailedError as err:
+                metrics.STEP_FAILURES.labels("sync").inc()
+                log.error("weight sync of version %d, attempt %d failed: %s", version, attempt, err)
+                if attempt == self.loop.max_step_attempts:
+                    raise RunFailedError(
+                        f"weight sync of version {version} failed {attempt} times ({err}); a "
+                        "restart resumes after the trained step and re-syncs the generators"
+                    ) from err
+                time.sleep(min(2.0 * attempt, 10.0))
+
     # -- one step --------------------------------------------------------------------------------
     def _timed(self, phase: str, timings: dict[str, float], fn: Callable[[], T]) -> T:
         self.state.set_phase(phase)
@@ -367,7 +385,7 @@ class GrpoLoop:
         reply, train_info = self._timed("train", timings, lambda: self._train(data))
         version = reply.policy_version if reply is not None else self.state.policy_version
         if reply is not None:
-            self._timed("sync", timings, lambda: self.sync_weights(version))
+            self._timed("sync", timings, lambda: self._sync_with_retries(version))
         return self._record(step, version, position_after, data, reply, train_info, timings)
 
     def _record(
