@@ -9,6 +9,11 @@ One sync is timed from "version ready" on the trainer to the generator's acknowl
   buckets     (b) parameters packed into 1 GiB buckets, one handle per bucket, each step
   memcpy      (c) one flat copy of the same bytes in one process (the bound)
 
+Before/after in one run: every shape runs twice, each time with its own generator process.
+``legacy`` is the previous path (full storage walk on publish, peer sources mapped on their own
+GPU, a one-stream CUDA graph); ``new`` the current one (cached storage check, peer sources
+mapped on the generator's GPU, a graph forked over several streams). ``--variants`` picks.
+
 On CPU every handle is a POSIX shared-memory segment and the trainer copies into it (the CPU
 publisher's staging copy); on CUDA podrl exports the parameters themselves by CUDA IPC.
 
@@ -24,6 +29,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,11 +38,13 @@ from podrl.models.qwen3_shapes import QWEN3_SHAPES
 from podrl.v1 import weights_pb2
 from podrl.weights import ModelDescription, WeightReceiver, cuda_ipc, manifest, vllm_layout
 from podrl.weights.dtypes import parse_dtype
+from podrl.weights.plan import DEFAULT_COPY_STREAMS
 from podrl.weights.publisher import ManifestAssembler, ShmStaging, WeightPublisher
 
 BUCKET_BYTES = 1 << 30
 MODES = ("podrl", "per_param", "buckets", "memcpy")
 COPY_VARIANTS = ("foreach_devsync", "loop_event", "plan")
+VARIANTS = ("legacy", "new")
 
 
 def describe(shape: str, layers: int | None) -> ModelDescription:
@@ -118,7 +126,22 @@ def _run_variant(plan, variant: str) -> None:
     plan.wait()
 
 
-def generator_process(conn, shape: str, layers: int | None, dst_dtype: str, device: str) -> None:
+def _per_step(
+    version: int, keep: list, *, params: dict, bucket_bytes: int | None
+) -> weights_pb2.WeightManifest:
+    return per_step_manifest(params, version, bucket_bytes, keep)
+
+
+def receiver_options(variant: str) -> dict:
+    """WeightReceiver options of a variant: the previous copy path or the current one."""
+    if variant == "legacy":
+        return {"copy_streams": 1, "map_on_destination": False}
+    return {"copy_streams": DEFAULT_COPY_STREAMS, "map_on_destination": True}
+
+
+def generator_process(
+    conn, shape: str, layers: int | None, dst_dtype: str, device: str, variant: str
+) -> None:
     """The generator: applies what arrives (protobuf bytes) and acknowledges.
 
     The ack carries its timestamps (perf_counter: CLOCK_MONOTONIC, comparable across processes
@@ -131,7 +154,8 @@ def generator_process(conn, shape: str, layers: int | None, dst_dtype: str, devi
     layout = vllm_layout(description, 0, 1)
     dtype = parse_dtype(dst_dtype)
     dst = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in layout.items()}
-    cached = WeightReceiver(description, layout=layout, device=device)
+    options = receiver_options(variant)
+    cached = WeightReceiver(description, layout=layout, device=device, **options)
     while True:
         message = conn.recv_bytes()
         received = time.perf_counter()
@@ -150,10 +174,14 @@ def generator_process(conn, shape: str, layers: int | None, dst_dtype: str, devi
             _run_variant(plan, mode.split(b":", 1)[1].decode())
             cached.version = update.version
         else:  # every step: a new receiver, handles opened and the plan compiled afresh
-            fresh = WeightReceiver(description, layout=layout, device=device)
+            fresh = WeightReceiver(description, layout=layout, device=device, **options)
             fresh.apply(update, dst)
             del fresh
         stamps["copied"] = time.perf_counter()
+        if cached._cached is not None:  # what the cached plan turned into (for the record)
+            plan = cached._cached.plan
+            stamps["plan_graph"] = plan.uses_graph
+            stamps["plan_devices"] = sorted({str(op.src.device) for op in plan.ops})
         conn.send_bytes(json.dumps(stamps).encode())
 
 
@@ -184,17 +212,68 @@ def run_shape(
         dst_device = "cuda:1" if placement == "peer" else "cuda:0"
     result["src_device"], result["dst_device"] = src_device, dst_device
     params = make_params(description, src, src_device)
+    try:
+        for variant in args.variants:
+            _run_variant_phase(args, shape, dst, dst_device, params, variant, result)
+        flat_src = torch.empty(numel, dtype=src, device=src_device)
+        flat_dst = torch.empty(numel, dtype=dst, device=dst_device)
+        times = []
+        for _ in range(args.warmup + args.reps):
+            started = time.perf_counter()
+            flat_dst.copy_(flat_src)
+            if cuda:
+                torch.cuda.synchronize(src_device)
+                torch.cuda.synchronize(dst_device)
+            times.append(time.perf_counter() - started)
+        result["memcpy_ms"] = 1e3 * statistics.median(times[args.warmup :])
+        for prefix in ("", "legacy_"):
+            if f"{prefix}podrl_ms" not in result:
+                continue
+            result[f"{prefix}podrl_over_memcpy"] = result[f"{prefix}podrl_ms"] / result["memcpy_ms"]
+            staged = result.get(f"{prefix}staged_plan_stages_ms")
+            if cuda and staged:
+                result[f"{prefix}copy_over_memcpy"] = staged["copy"] / result["memcpy_ms"]
+            for baseline in ("buckets", "per_param"):
+                if f"{baseline}_ms" in result:
+                    result[f"{baseline}_over_{prefix}podrl"] = (
+                        result[f"{baseline}_ms"] / result[f"{prefix}podrl_ms"]
+                    )
+    finally:
+        params = flat_src = flat_dst = None
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def _run_variant_phase(
+    args: argparse.Namespace,
+    shape: str,
+    dst: torch.dtype,
+    dst_device: str,
+    params: dict,
+    variant: str,
+    result: dict,
+) -> None:
+    """One generator process with ``variant``'s receiver; results keyed ``legacy_*`` or plain.
+
+    A process per variant: torch maps a CUDA IPC handle once per process, on the device it was
+    first opened on, so the two ways of mapping peer sources cannot share one process.
+    """
+    cuda = args.device == "cuda"
+    prefix = "legacy_" if variant == "legacy" else ""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     dst_name = str(dst).removeprefix("torch.")
     proc = ctx.Process(
-        target=generator_process, args=(child, shape, args.layers, dst_name, dst_device)
+        target=generator_process,
+        args=(child, shape, args.layers, dst_name, dst_device, variant),
     )
     proc.start()
     try:
-        publisher = WeightPublisher(lambda: params)
+        publisher = WeightPublisher(lambda: params, fast_storage_check=variant != "legacy")
         assembler = ManifestAssembler("bench")
         version = 0
+        info: dict = {}
 
         def sync(mode: str, make) -> dict[str, float]:
             """One sync; its stages in ms (ready -> manifest -> parsed -> copied -> acked)."""
@@ -211,6 +290,8 @@ def run_shape(
             for item in keep:
                 if isinstance(item, ShmStaging):
                     item.close()
+            if mode == "podrl":
+                info.update({k: stamps[k] for k in ("plan_graph", "plan_devices") if k in stamps})
             stages = {
                 "total": acked - started,
                 "publish": published - started,
@@ -229,46 +310,27 @@ def run_shape(
             publisher.acknowledge(v)  # the ack of v-1 arrived before we got here
             return assembler.assemble(v, [part])
 
-        makers = {
-            "podrl": podrl,
-            "per_param": lambda v, keep: per_step_manifest(params, v, None, keep),
-            "buckets": lambda v, keep: per_step_manifest(params, v, BUCKET_BYTES, keep),
-        }
-        runs = [(mode, mode, make) for mode, make in makers.items()]
+        runs = [("podrl", "podrl", podrl)]
+        if variant != "legacy" or args.variants == ["legacy"]:  # baselines once per shape
+            for label, bucket_bytes in (("per_param", None), ("buckets", BUCKET_BYTES)):
+                make = partial(_per_step, params=params, bucket_bytes=bucket_bytes)
+                runs.append((label, label, make))
         if cuda:  # the podrl sync again, apply() taken apart to time the copy variants
-            runs += [(f"staged_{v}", f"staged:{v}", podrl) for v in COPY_VARIANTS]
+            variants = COPY_VARIANTS if variant == "legacy" else ("plan",)
+            runs += [(f"staged_{v}", f"staged:{v}", podrl) for v in variants]
         for label, mode, make in runs:
             samples = [sync(mode, make) for _ in range(args.warmup + args.reps)][args.warmup :]
-            result[label + "_ms"] = 1e3 * statistics.median(s["total"] for s in samples)
+            key = label if label in ("per_param", "buckets") else prefix + label
+            result[key + "_ms"] = 1e3 * statistics.median(s["total"] for s in samples)
             if label == "podrl" or label.startswith("staged_"):
-                result[label + "_stages_ms"] = {
+                result[key + "_stages_ms"] = {
                     k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]
                 }
-        flat_src = torch.empty(numel, dtype=src, device=src_device)
-        flat_dst = torch.empty(numel, dtype=dst, device=dst_device)
-        times = []
-        for _ in range(args.warmup + args.reps):
-            started = time.perf_counter()
-            flat_dst.copy_(flat_src)
-            if cuda:
-                torch.cuda.synchronize(src_device)
-                torch.cuda.synchronize(dst_device)
-            times.append(time.perf_counter() - started)
-        result["memcpy_ms"] = 1e3 * statistics.median(times[args.warmup :])
-        result["podrl_over_memcpy"] = result["podrl_ms"] / result["memcpy_ms"]
-        if cuda:
-            copy = result["staged_plan_stages_ms"]["copy"]
-            result["copy_over_memcpy"] = copy / result["memcpy_ms"]
-        result["buckets_over_podrl"] = result["buckets_ms"] / result["podrl_ms"]
-        result["per_param_over_podrl"] = result["per_param_ms"] / result["podrl_ms"]
+        result[prefix + "plan"] = info
         publisher.close()
     finally:
-        params = flat_src = flat_dst = None
-        if cuda:
-            torch.cuda.empty_cache()
         parent.send_bytes(b"quit")
         proc.join(timeout=120)
-    return result
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -288,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         default="same",
         help="CUDA: same (generator on the trainer's GPU), peer (GPU0 -> GPU1), or both",
     )
+    parser.add_argument(
+        "--variants",
+        default="legacy,new",
+        help="legacy (the previous sync path), new (the current one), or both (before/after)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="cut decoder layers (CPU runs)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -295,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants: choose from {VARIANTS}, comma-separated")
     shapes = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in QWEN3_SHAPES]
     if unknown:
@@ -308,14 +378,17 @@ def main(argv: list[str] | None = None) -> int:
         placements = ["same"]
     elif "peer" in placements and torch.cuda.device_count() < 2:
         parser.error("--placements peer: needs two visible GPUs")
-    results = [
-        run_shape(args, shape, s, d, placement)
-        for placement in placements
-        for shape in shapes
-        for s, d in pairs
-    ]
+    results = []
+    for placement in placements:
+        for shape in shapes:
+            for s, d in pairs:
+                results.append(run_shape(args, shape, s, d, placement))
+                if args.out:  # after every row: a run cut short still leaves its rows
+                    out = {"settings": _settings(args), "results": results}
+                    args.out.write_text(json.dumps(out, indent=2))
+    modes = ("legacy_podrl", *MODES)
     header = f"{'where':<5} {'shape':<6} {'dtypes':<18} {'GiB':>6} " + " ".join(
-        f"{m + ' ms':>13}" for m in MODES
+        f"{m + ' ms':>17}" for m in modes
     )
     print(header)
     for r in results:
@@ -323,12 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         if "skipped" in r:
             print(f"{r['placement']:<5} {r['shape']:<6} {dtypes:<18} skipped: {r['skipped']}")
             continue
-        cells = " ".join(f"{r[m + '_ms']:>13.2f}" for m in MODES)
+        cells = " ".join(f"{r.get(m + '_ms', math.nan):>17.2f}" for m in modes)
         gib = r["src_bytes"] / 2**30
         print(f"{r['placement']:<5} {r['shape']:<6} {dtypes:<18} {gib:>6.2f} {cells}")
         for key in sorted(k for k in r if k.endswith("_stages_ms")):
             stages = "  ".join(f"{k} {v:.2f}" for k, v in r[key].items())
-            print(f"      {key.removesuffix('_stages_ms'):<24} {stages}")
+            print(f"      {key.removesuffix('_stages_ms'):<30} {stages}")
     if args.out:
         args.out.write_text(json.dumps({"settings": _settings(args), "results": results}, indent=2))
     return 0

@@ -54,16 +54,48 @@ def export_tensor(tensor: torch.Tensor) -> weights_pb2.CudaIpcHandle:
     )
 
 
-def open_storage(handle: weights_pb2.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
-    """Open an exported storage in this process: (storage, local device index).
+# The device each handle was first opened on in this process. torch caches an opened handle
+# by its bytes alone (CUDA maps an allocation once per process), so a second open returns the
+# first mapping whatever device it asks for; reopening on that same device keeps the storage's
+# device label true.
+_OPENED_ON: dict[bytes, int] = {}
+
+
+def open_storage(
+    handle: weights_pb2.CudaIpcHandle, *, on_device: int | None = None
+) -> tuple[torch.UntypedStorage, int]:
+    """Open an exported storage in this process: (storage, local device index it lives on
+    for torch).
+
+    By default the memory is mapped on the device that owns it. ``on_device`` maps it on
+    another GPU instead, through peer access (``cudaIpcMemLazyEnablePeerAccess``): kernels and
+    copies on that GPU then read the owner's memory over NVLink as if it were local, so a
+    GPU0 -> GPU1 copy is an ordinary GPU1 copy (one stream, graph-capturable) rather than a
+    cross-device copy with an event pair per tensor. Falls back to the owner device when
+    peer access is impossible or the handle is already open here on another device.
 
     Raises LookupError when the device is not visible here, RuntimeError when CUDA refuses.
     """
-    index = device_index_for_uuid(handle.device_uuid)
-    if index is None:
+    owner = device_index_for_uuid(handle.device_uuid)
+    if owner is None:
         raise LookupError(f"CUDA device {handle.device_uuid} is not visible to this process")
+    index = _OPENED_ON.get(handle.handle, owner if on_device is None else on_device)
+    if index != owner and not torch.cuda.can_device_access_peer(index, owner):
+        index = owner
+    try:
+        storage = _new_shared(handle, index)
+    except RuntimeError:
+        if index == owner:
+            raise
+        index = owner
+        storage = _new_shared(handle, index)
+    _OPENED_ON.setdefault(handle.handle, index)
+    return storage, index
+
+
+def _new_shared(handle: weights_pb2.CudaIpcHandle, index: int) -> torch.UntypedStorage:
     with torch.cuda.device(index):
-        storage = torch.UntypedStorage._new_shared_cuda(
+        return torch.UntypedStorage._new_shared_cuda(
             index,
             handle.handle,
             handle.nbytes,
@@ -73,4 +105,3 @@ def open_storage(handle: weights_pb2.CudaIpcHandle) -> tuple[torch.UntypedStorag
             handle.event_handle,
             handle.event_sync_required,
         )
-    return storage, index

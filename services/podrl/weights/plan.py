@@ -31,9 +31,39 @@ class CopyOp:
     dst: torch.Tensor
 
 
+# Side streams a single-GPU plan's graph is captured over: hundreds of small copies (norms,
+# per-layer slices) then run as parallel graph branches instead of one after the other.
+DEFAULT_COPY_STREAMS = 4
+
+
+def _op_bytes(op: CopyOp) -> int:
+    return op.dst.numel() * op.dst.element_size()
+
+
+def balance_lanes(ops: Sequence[CopyOp], lanes: int) -> list[list[CopyOp]]:
+    """Split ``ops`` into ``lanes`` groups of about equal bytes, largest copies first.
+
+    Greedy longest-processing-time: each op (largest first) goes to the lane with the fewest
+    bytes so far, so the big copies start at once and the small ones fill in behind them.
+    """
+    lanes = max(1, lanes)
+    groups: list[list[CopyOp]] = [[] for _ in range(lanes)]
+    loads = [0] * lanes
+    for op in sorted(ops, key=_op_bytes, reverse=True):
+        lane = loads.index(min(loads))
+        groups[lane].append(op)
+        loads[lane] += _op_bytes(op)
+    return [group for group in groups if group]
+
+
 class CopyPlan:
-    def __init__(self, ops: list[CopyOp], *, use_graph: bool = True) -> None:
+    def __init__(
+        self, ops: list[CopyOp], *, use_graph: bool = True, streams: int = DEFAULT_COPY_STREAMS
+    ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, not {streams}")
         self.ops = ops
+        self.streams = streams
         # One multi-tensor copy per (source device/dtype, destination device/dtype) group:
         # a few kernel launches per sync instead of one per slice.
         groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -44,13 +74,15 @@ class CopyPlan:
             srcs.append(op.src)
         self._groups = list(groups.items())
         # Every CUDA device a copy touches: a peer copy runs on the source device's stream and
-        # the destination's stream waits for it, so completion is awaited on both.
+        # the destination's stream waits for it, so completion is awaited on both. (The
+        # receiver maps peer sources on the destination device where it can, so a GPU0 -> GPU1
+        # plan normally touches GPU1 only and is graph-captured like a same-GPU one.)
         self._cuda_devices = sorted(
             {t.device.index for op in ops for t in (op.src, op.dst) if t.is_cuda}
         )
         # A plan that stays on one GPU is replayed as one CUDA graph: hundreds of copies with
         # one launch (measured on an H200: launch gaps, not bandwidth, set the time of a
-        # 1.7B sync). Peer copies (GPU0 -> GPU1) are launched one by one.
+        # 1.7B sync), captured over ``streams`` parallel branches.
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_wanted = (
             use_graph
@@ -71,6 +103,7 @@ class CopyPlan:
         destinations: Mapping[str, torch.Tensor],
         *,
         use_graph: bool = True,
+        streams: int = DEFAULT_COPY_STREAMS,
     ) -> CopyPlan:
         ops = []
         for target in layout.values():
@@ -92,7 +125,7 @@ class CopyPlan:
                     src_view = source.tensor[block.slices(source.box.offset)]
                     dst_view = dst[block.shifted(delta).slices(origin)]
                     ops.append(CopyOp(target.name, src_view, dst_view))
-        return cls(ops, use_graph=use_graph)
+        return cls(ops, use_graph=use_graph, streams=streams)
 
     @property
     def uses_graph(self) -> bool:
@@ -119,14 +152,29 @@ class CopyPlan:
         self._copy_eagerly()
         if self._graph_wanted:  # the first run was eager; capture it for the next ones
             self._graph_wanted = False
-            with torch.cuda.device(self._cuda_devices[0]):
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph):
-                        self._copy_eagerly()
-                except RuntimeError:  # capture unsupported here: stay eager
-                    return
-            self._graph = graph
+            self._graph = self._capture()
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        """Record the copies as one graph, forked over ``streams`` branches (events inside the
+        capture order each side stream after the capture stream and join them back)."""
+        lanes = balance_lanes(self.ops, self.streams)
+        with torch.cuda.device(self._cuda_devices[0]):
+            side = [torch.cuda.Stream() for _ in lanes[1:]]
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.no_grad(), torch.cuda.graph(graph):
+                    main = torch.cuda.current_stream()
+                    for stream in side:
+                        stream.wait_stream(main)
+                    for lane, stream in zip(lanes, [main, *side], strict=True):
+                        with torch.cuda.stream(stream):
+                            for op in lane:
+                                op.dst.copy_(op.src, non_blocking=True)
+                    for stream in side:
+                        main.wait_stream(stream)
+            except RuntimeError:  # capture unsupported here: stay eager
+                return None
+        return graph
 
     def wait(self) -> None:
         """Block until the launched copies are done: an event on each involved device's

@@ -105,11 +105,56 @@ class ShmStaging:
         self.views = []
 
 
+@dataclass
+class _StorageSnapshot:
+    """The cheap per-publish storage check: the same parameter objects under the same names,
+    each (local shard) still at the same data pointer.
+
+    A version-only publish is the common case, and the full :func:`manifest.storage_key` walk
+    (DTensor ``to_local``, shape and stride of ~300-400 parameters) cost a few hundred
+    microseconds of the sync; this check is one attribute read and one ``data_ptr`` per
+    parameter. Anything that re-allocates a parameter (``param.data = ...``, a checkpoint
+    loaded into new tensors, FSDP2 re-sharding) moves its data pointer or replaces the object,
+    and the full walk runs again.
+    """
+
+    names: list[str]
+    objects: list[torch.Tensor]
+    is_dtensor: list[bool]
+    pointers: list[int]
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor]) -> _StorageSnapshot:
+        from torch.distributed.tensor import DTensor
+
+        objects = list(params.values())
+        is_dtensor = [isinstance(p, DTensor) for p in objects]
+        return cls(list(params), objects, is_dtensor, _pointers(objects, is_dtensor))
+
+    def matches(self, params: Mapping[str, torch.Tensor]) -> bool:
+        objects = list(params.values())
+        return (
+            len(objects) == len(self.objects)
+            and all(a is b for a, b in zip(objects, self.objects, strict=True))
+            and list(params) == self.names
+            and _pointers(objects, self.is_dtensor) == self.pointers
+        )
+
+
+def _pointers(objects: Sequence[torch.Tensor], is_dtensor: Sequence[bool]) -> list[int]:
+    return [
+        (p._local_tensor if d else p).data_ptr()  # type: ignore[attr-defined]
+        for p, d in zip(objects, is_dtensor, strict=True)
+    ]
+
+
 class WeightPublisher:
     """Publishes one trainer rank's parameter shards; see the module docstring for the rules.
 
     ``params`` is the module whose ``named_parameters()`` are published (names in Hugging Face
     form, as FSDP2/TP leave them) or a callable returning a name -> tensor mapping.
+    ``fast_storage_check=False`` walks every parameter's storage on each publish (the previous
+    behaviour; kept for the benchmark's before/after).
     """
 
     def __init__(
@@ -119,6 +164,7 @@ class WeightPublisher:
         rank: int = 0,
         staging: StagingMode = "auto",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        fast_storage_check: bool = True,
     ) -> None:
         if isinstance(params, torch.nn.Module):
             module = params
@@ -135,6 +181,8 @@ class WeightPublisher:
         self._staging: ShmStaging | None = None
         self._fingerprint: str | None = None
         self._storage_key: tuple | None = None
+        self._fast_storage_check = fast_storage_check
+        self._storage_snapshot: _StorageSnapshot | None = None
         self._local: list[manifest.LocalShard] = []
         self._shards: list[weights_pb2.TensorShard] = []
         self._pending: int | None = None
@@ -165,14 +213,17 @@ class WeightPublisher:
                         f"overwrite published weights with version {version}"
                     )
         params = self._params_fn()
-        key = manifest.storage_key(params)
-        if key != self._storage_key:
-            # Storage changed (or first publish): describe the shards and hand out new handles.
-            local = manifest.local_shards(params)
-            if not local:
-                raise PublishError(f"rank {self.rank} has no parameters to publish")
-            self._rebuild(local, manifest.storage_fingerprint(local), self._direct(local))
-            self._local, self._storage_key = local, key
+        snapshot = self._storage_snapshot
+        if not (self._fast_storage_check and snapshot is not None and snapshot.matches(params)):
+            key = manifest.storage_key(params)
+            if key != self._storage_key:
+                # Storage changed (or first publish): describe the shards, new handles.
+                local = manifest.local_shards(params)
+                if not local:
+                    raise PublishError(f"rank {self.rank} has no parameters to publish")
+                self._rebuild(local, manifest.storage_fingerprint(local), self._direct(local))
+                self._local, self._storage_key = local, key
+            self._storage_snapshot = _StorageSnapshot.of(params)
         local = self._local
         direct = self._staging is None
         fingerprint = self._fingerprint
@@ -242,6 +293,7 @@ class WeightPublisher:
             self._staging = None
         self._fingerprint = None
         self._storage_key = None
+        self._storage_snapshot = None
         shm.reap_orphaned_segments()
 
 

@@ -28,7 +28,7 @@ from podrl.v1 import weights_pb2
 from podrl.weights import codec, cuda_ipc, dtypes, shm
 from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.plan import CopyPlan, SourceShard
+from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 
 Kind = ManifestErrorKind
 
@@ -66,6 +66,11 @@ class WeightReceiver:
             ``destinations`` the destinations' own dtype is used (copy casts).
         device: where receiver-owned buffers live.
         trusted_publisher_id: when set, manifests from any other publisher are refused.
+        copy_streams: parallel branches of the CUDA graph a single-GPU plan is captured as
+            (1 = one stream, the previous plan).
+        map_on_destination: map CUDA IPC sources of another GPU on the destinations' GPU
+            (peer access), so a cross-GPU plan is a single-GPU plan reading over NVLink;
+            False maps them on their own GPU (a cross-device copy per slice).
     """
 
     def __init__(
@@ -76,12 +81,16 @@ class WeightReceiver:
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         trusted_publisher_id: str | None = None,
+        copy_streams: int = DEFAULT_COPY_STREAMS,
+        map_on_destination: bool = True,
     ) -> None:
         self.description = description
         self.layout = layout if layout is not None else hf_layout(description)
         self.dtype = dtypes.parse_dtype(dtype)
         self.device = torch.device(device)
         self.trusted_publisher_id = trusted_publisher_id
+        self.copy_streams = copy_streams
+        self.map_on_destination = map_on_destination
         self.version: int | None = None
         self._cached: _Cached | None = None
         shm.reap_orphaned_segments()
@@ -259,7 +268,6 @@ class WeightReceiver:
         manifest: weights_pb2.WeightManifest,
         destinations: Mapping[str, torch.Tensor] | None,
     ) -> _Cached:
-        sources = _open_sources(manifest.shards)
         owns = destinations is None
         if destinations is None:
             destinations = {
@@ -270,7 +278,10 @@ class WeightReceiver:
             missing = [name for name in self.layout if name not in destinations]
             if missing:
                 raise ValueError(f"destinations lack {len(missing)} tensors, e.g. {missing[:3]}")
-        plan = CopyPlan.compile(sources, self.layout, destinations)
+        gpus = {t.device.index for t in destinations.values() if t.is_cuda}
+        on_device = gpus.pop() if self.map_on_destination and len(gpus) == 1 else None
+        sources = _open_sources(manifest.shards, on_device)
+        plan = CopyPlan.compile(sources, self.layout, destinations, streams=self.copy_streams)
         return _Cached(
             fingerprint=manifest.model_fingerprint,
             shards_bytes=_shards_bytes(manifest),
@@ -310,8 +321,13 @@ def _check_tiling(
         )
 
 
-def _open_sources(shards: list[weights_pb2.TensorShard]) -> dict[str, list[SourceShard]]:
-    """Open every distinct shard once (replicas are skipped); STORAGE error if one fails."""
+def _open_sources(
+    shards: list[weights_pb2.TensorShard], on_device: int | None = None
+) -> dict[str, list[SourceShard]]:
+    """Open every distinct shard once (replicas are skipped); STORAGE error if one fails.
+
+    ``on_device``: the GPU to map CUDA IPC storage on (see :func:`cuda_ipc.open_storage`).
+    """
     segments: dict[str, torch.Tensor] = {}
     sources: dict[str, list[SourceShard]] = {}
     seen: set[tuple[str, codec.Box]] = set()
@@ -323,7 +339,7 @@ def _open_sources(shards: list[weights_pb2.TensorShard]) -> dict[str, list[Sourc
         dtype = dtypes.from_wire(shard.dtype)
         assert dtype is not None  # validated
         try:
-            tensor = _open_shard(shard, dtype, segments)
+            tensor = _open_shard(shard, dtype, segments, on_device)
         except (OSError, LookupError, RuntimeError, ValueError) as exc:
             raise ManifestError(
                 Kind.STORAGE, f"{shard.name}: cannot open its storage: {exc}", name=shard.name
@@ -333,7 +349,10 @@ def _open_sources(shards: list[weights_pb2.TensorShard]) -> dict[str, list[Sourc
 
 
 def _open_shard(
-    shard: weights_pb2.TensorShard, dtype: torch.dtype, segments: dict[str, torch.Tensor]
+    shard: weights_pb2.TensorShard,
+    dtype: torch.dtype,
+    segments: dict[str, torch.Tensor],
+    on_device: int | None = None,
 ) -> torch.Tensor:
     shape = tuple(shard.local_shape)
     if shard.storage.WhichOneof("kind") == "shm":
@@ -350,7 +369,7 @@ def _open_shard(
             raise ValueError(f"{handle.name} is smaller than offset + nbytes")
         return data[handle.offset : handle.offset + handle.nbytes].view(dtype).view(shape)
     handle = shard.storage.cuda_ipc
-    storage, index = cuda_ipc.open_storage(handle)
+    storage, index = cuda_ipc.open_storage(handle, on_device=on_device)
     element = dtypes.element_size(dtype)
     tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
     return tensor.set_(storage, handle.tensor_offset // element, shape, tuple(shard.stride))
