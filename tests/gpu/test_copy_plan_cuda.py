@@ -31,11 +31,14 @@ def _ops(srcs: list[torch.Tensor], device: str) -> list[CopyOp]:
     return ops
 
 
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"][: max(1, GPUS)])
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("streams", [1, 4])
-def test_graph_over_streams_copies_every_op(src_dtype: torch.dtype, streams: int) -> None:
-    srcs = _sources("cuda:0", src_dtype)
-    plan = CopyPlan(_ops(srcs, "cuda:0"), streams=streams)
+def test_graph_over_streams_copies_every_op(
+    src_dtype: torch.dtype, streams: int, device: str
+) -> None:
+    srcs = _sources(device, src_dtype)
+    plan = CopyPlan(_ops(srcs, device), streams=streams)
     plan.run()  # eager, then captured
     assert plan.uses_graph
     for round_ in range(2):  # replays read the sources' current contents
@@ -48,7 +51,7 @@ def test_graph_over_streams_copies_every_op(src_dtype: torch.dtype, streams: int
 
 def _export(queue, done) -> None:
     torch.cuda.set_device(0)
-    tensor = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0").reshape(1024, 1024)
+    tensor = torch.arange(1 << 20, device="cuda:0").reshape(1024, 1024).to(torch.bfloat16)
     torch.cuda.synchronize()
     queue.put(cuda_ipc.export_tensor(tensor).SerializeToString())
     done.wait(120)
@@ -64,15 +67,16 @@ def test_peer_source_mapped_on_the_destination_gpu() -> None:
         handle = weights_pb2.CudaIpcHandle.FromString(queue.get(timeout=120))
         storage, index = cuda_ipc.open_storage(handle, on_device=1)
         assert index == 1  # H200s over NVLink: peer access, so mapped on GPU1
-        src = torch.empty(0, dtype=torch.float32, device="cuda:1").set_(
-            storage, handle.tensor_offset // 4, (1024, 1024), (1024, 1)
+        src = torch.empty(0, dtype=torch.bfloat16, device="cuda:1").set_(
+            storage, handle.tensor_offset // 2, (1024, 1024), (1024, 1)
         )
         dst = torch.zeros(1024, 1024, dtype=torch.bfloat16, device="cuda:1")
         plan = CopyPlan([CopyOp("w", src, dst)])
-        plan.run()
-        plan.run()
+        plan.run()  # eager, then captured
         assert plan.uses_graph  # one GPU as far as the plan is concerned
-        want = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024).to(torch.bfloat16)
+        dst.zero_()
+        plan.run()  # the graph replay alone must fill dst again
+        want = torch.arange(1 << 20).reshape(1024, 1024).to(torch.bfloat16)
         assert torch.equal(dst.cpu(), want)
         del plan, src, storage
     finally:

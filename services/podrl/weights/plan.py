@@ -160,9 +160,12 @@ class CopyPlan:
         lanes = balance_lanes(self.ops, self.streams)
         with torch.cuda.device(self._cuda_devices[0]):
             side = [torch.cuda.Stream() for _ in lanes[1:]]
+            # A capture stream of this device: torch's default one is created once per process,
+            # on whatever device was current then (a plan on another GPU would capture nothing).
+            capture = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.no_grad(), torch.cuda.graph(graph):
+                with torch.no_grad(), torch.cuda.graph(graph, stream=capture):
                     main = torch.cuda.current_stream()
                     for stream in side:
                         stream.wait_stream(main)
