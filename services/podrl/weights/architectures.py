@@ -42,22 +42,7 @@ class NameRule:
 
 
 # fmt: off
-QWEN3_TABLE: tuple[NameRule, ...] = (
-    NameRule(r"^model\.embed_tokens\.weight$", r"model.embed_tokens.weight", Split.VOCAB),
-    NameRule(r"^lm_head\.weight$", r"lm_head.weight", Split.VOCAB),
-    NameRule(r"^model\.norm\.weight$", r"model.norm.weight", Split.REPLICATED),
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.q_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.Q),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.k_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.K),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.v_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.V),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.o_proj\.weight$", r"\1.self_attn.o_proj.weight", Split.ROW),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.o_proj\.bias$", r"\1.self_attn.o_proj.bias", Split.REPLICATED),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.self_attn\.(q_norm|k_norm)\.weight$", r"\1.self_attn.\2.weight", Split.REPLICATED),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.mlp\.gate_proj\.weight$", r"\1.mlp.gate_up_proj.weight", Split.GATE),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.mlp\.up_proj\.weight$", r"\1.mlp.gate_up_proj.weight", Split.UP),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.mlp\.down_proj\.weight$", r"\1.mlp.down_proj.weight", Split.ROW),  # noqa: E501
-    NameRule(r"^(model\.layers\.\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"\1.\2.weight", Split.REPLICATED),  # noqa: E501
-)
-
+# Llama-style decoders: vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj.
 LLAMA_TABLE: tuple[NameRule, ...] = (
     NameRule(r"^model\.embed_tokens\.weight$", r"model.embed_tokens.weight", Split.VOCAB),
     NameRule(r"^lm_head\.weight$", r"lm_head.weight", Split.VOCAB),
@@ -71,6 +56,12 @@ LLAMA_TABLE: tuple[NameRule, ...] = (
     NameRule(r"^(model\.layers\.\d+)\.mlp\.up_proj\.weight$", r"\1.mlp.gate_up_proj.weight", Split.UP),  # noqa: E501
     NameRule(r"^(model\.layers\.\d+)\.mlp\.down_proj\.weight$", r"\1.mlp.down_proj.weight", Split.ROW),  # noqa: E501
     NameRule(r"^(model\.layers\.\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"\1.\2.weight", Split.REPLICATED),  # noqa: E501
+)
+
+# Qwen3 = the Llama layout plus per-head RMS norms on queries and keys (replicated).
+QWEN3_TABLE: tuple[NameRule, ...] = (
+    *LLAMA_TABLE,
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.(q_norm|k_norm)\.weight$", r"\1.self_attn.\2.weight", Split.REPLICATED),  # noqa: E501
 )
 # fmt: on
 
