@@ -4,23 +4,19 @@ train, checkpoints and exports work through the RPCs, SIGTERM stops every rank c
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import grpc
 import psutil
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from podrl.algorithms.losses import BatchTotals, LossSettings, policy_loss
-from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from tests.trainer.rank_worker import config_env, free_port, make_request
+from podrl.v1 import common_pb2, trainer_pb2
+from tests.trainer.rank_worker import make_request
+from tests.trainer.service_process import trainer_service
 
 pytestmark = pytest.mark.slow
 
@@ -54,40 +50,8 @@ def _reference_first_loss(model_dir, request: trainer_pb2.TrainRequest) -> float
 @pytest.fixture(scope="module")
 def service(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("service")
-    port = free_port()
-    env = {
-        **os.environ,
-        **config_env(str(tiny_model), str(tmp), dp_shard=2, micro_batch_size=2),
-        "PODRL_TRAINER__GRPC_PORT": str(port),
-        "PODRL_TRAINER__METRICS_PORT": "0",
-        "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),  # no controller: registration retries
-        "OMP_NUM_THREADS": "1",
-    }
-    log = open(tmp / "trainer.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "podrl.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, (tmp / "trainer.log").read_text()
-        try:
-            reply = health.Check(
-                health_pb2.HealthCheckRequest(service="podrl.v1.Trainer"), timeout=1
-            )
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, "trainer did not start"
-        time.sleep(0.5)
-    yield process, trainer_pb2_grpc.TrainerStub(channel), tmp
-    channel.close()
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-    log.close()
+    with trainer_service(tiny_model, tmp, timeout=120) as (process, stub):
+        yield process, stub, tmp
 
 
 def _bad_batches() -> dict[str, trainer_pb2.TrainRequest]:

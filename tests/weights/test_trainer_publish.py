@@ -3,24 +3,20 @@ launcher) applied by a receiver in this process; segments vanish when the traine
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
 from podrl.models.tiny import make_tiny_model
-from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from podrl.v1 import common_pb2, trainer_pb2
 from podrl.weights import ModelDescription, WeightReceiver, vllm_layout
 from podrl.weights.shm import list_segments
-from tests.trainer.rank_worker import config_env, free_port, make_request
+from tests.trainer.rank_worker import make_request
+from tests.trainer.service_process import trainer_service
 from tests.weights.reference_layout import expected_vllm_tensors
 
 pytestmark = pytest.mark.slow
@@ -30,38 +26,8 @@ pytestmark = pytest.mark.slow
 def trainer(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("trainer")
     model_dir = make_tiny_model(tmp / "model")
-    port = free_port()
-    env = {
-        **os.environ,
-        **config_env(str(model_dir), str(tmp), dp_shard=2, micro_batch_size=2),
-        "PODRL_TRAINER__GRPC_PORT": str(port),
-        "PODRL_TRAINER__METRICS_PORT": "0",
-        "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-    }
-    log = open(tmp / "trainer.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "podrl.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, (tmp / "trainer.log").read_text()
-        try:
-            request = health_pb2.HealthCheckRequest(service="podrl.v1.Trainer")
-            if health.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, "trainer did not start"
-        time.sleep(0.5)
-    yield process, trainer_pb2_grpc.TrainerStub(channel), model_dir, tmp
-    channel.close()
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-    log.close()
+    with trainer_service(model_dir, tmp) as (process, stub):
+        yield process, stub, model_dir, tmp
 
 
 def test_publish_apply_acknowledge_train_publish(trainer) -> None:
