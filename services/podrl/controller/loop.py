@@ -39,6 +39,13 @@ from podrl.controller.clients import WorkerClients
 from podrl.controller.run_outputs import SampleLog, write_summary
 from podrl.controller.run_store import PendingStep, RunStore, StepRecord
 from podrl.controller.status import RunState
+from podrl.controller.step_errors import (
+    TRANSPORT_FAILURES,
+    RunFailedError,
+    StepFailedError,
+    describe_rpc_error,
+)
+from podrl.controller.weight_sync import WeightSync
 from podrl.tasks import PromptItem, TaskSource
 from podrl.v1 import (
     common_pb2,
@@ -50,18 +57,6 @@ from podrl.v1 import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class StepFailedError(RuntimeError):
-    """One attempt of a step failed in ``phase``; nothing of it was kept."""
-
-    def __init__(self, phase: str, message: str) -> None:
-        super().__init__(f"{phase}: {message}")
-        self.phase = phase
-
-
-class RunFailedError(RuntimeError):
-    """The run cannot go on (retries exhausted, trainer lost, inconsistent state)."""
 
 
 @dataclass
@@ -81,13 +76,6 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _rpc_error(err: grpc.RpcError) -> str:
-    return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
-
-
-_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
 class GrpoLoop:
     def __init__(
         self,
@@ -105,6 +93,12 @@ class GrpoLoop:
         self.source = source
         self.samples = SampleLog(config.run_dir)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
+        self.weights = WeightSync(
+            clients,
+            self._pool,
+            self._trainer,
+            lambda: self._addresses(controller_pb2.COMPONENT_GENERATOR),
+        )
         self._started = time.monotonic()
 
     # -- workers ---------------------------------------------------------------------------------
@@ -131,7 +125,7 @@ class GrpoLoop:
             stop.wait(0.2)
 
     def _on_rpc_failure(self, address: str, err: grpc.RpcError) -> None:
-        if err.code() in _TRANSPORT_FAILURES:
+        if err.code() in TRANSPORT_FAILURES:
             self.state.registry.mark_unreachable(address)
 
     def _fan_out(self, calls: list[Callable[[], T]]) -> list[T]:
@@ -174,7 +168,7 @@ class GrpoLoop:
             except grpc.RpcError as err:
                 self._on_rpc_failure(address, err)
                 raise StepFailedError(
-                    "generate", f"generator {address}: {_rpc_error(err)}"
+                    "generate", f"generator {address}: {describe_rpc_error(err)}"
                 ) from err
 
         chunks = _split(data.items, len(generators))
@@ -222,7 +216,9 @@ class GrpoLoop:
                 )
             except grpc.RpcError as err:
                 self._on_rpc_failure(address, err)
-                raise StepFailedError("score", f"grader {address}: {_rpc_error(err)}") from err
+                raise StepFailedError(
+                    "score", f"grader {address}: {describe_rpc_error(err)}"
+                ) from err
 
         chunks = _split(items, len(graders))
         for reply in self._fan_out(
@@ -273,13 +269,13 @@ class GrpoLoop:
                 raise RunFailedError(f"trainer rejected the batch: {err.details()}") from err
             version = self._trainer_version(address)
             if version == expected:
-                raise StepFailedError("train", _rpc_error(err)) from err
+                raise StepFailedError("train", describe_rpc_error(err)) from err
             if version == expected + 1:  # applied; only the reply was lost
                 return trainer_pb2.TrainResponse(policy_version=version), info
             raise RunFailedError(
-                f"trainer {address} failed during Train ({_rpc_error(err)}) and now reports "
-                f"version {version} (expected {expected}); restart the run to resume from the "
-                "last checkpoint"
+                f"trainer {address} failed during Train ({describe_rpc_error(err)}) and now "
+                f"reports version {version} (expected {expected}); restart the run to resume "
+                "from the last checkpoint"
             ) from err
 
     def _trainer_version(self, address: str) -> int | None:
@@ -290,76 +286,6 @@ class GrpoLoop:
         except grpc.RpcError:
             return None
         return info.policy_version
-
-    def sync_weights(self, version: int, force_full: bool = False) -> None:
-        """Trainer publishes, every generator applies, trainer hears the acknowledgment."""
-        trainer = self.clients.trainer(self._trainer())
-        generators = self._addresses(controller_pb2.COMPONENT_GENERATOR)
-        try:
-            published = trainer.PublishWeights(
-                trainer_pb2.PublishWeightsRequest(force_full=force_full),
-                timeout=self.clients.long,
-            )
-        except grpc.RpcError as err:
-            raise StepFailedError("sync", f"PublishWeights: {_rpc_error(err)}") from err
-        manifest = published.manifest
-        if manifest.version != version:
-            raise StepFailedError(
-                "sync", f"trainer published version {manifest.version}, expected {version}"
-            )
-        full: list[generator_pb2.ApplyWeightsRequest] = []
-
-        def full_manifest() -> generator_pb2.ApplyWeightsRequest:
-            if not full:
-                reply = trainer.PublishWeights(
-                    trainer_pb2.PublishWeightsRequest(force_full=True), timeout=self.clients.long
-                )
-                full.append(generator_pb2.ApplyWeightsRequest(manifest=reply.manifest))
-            return full[0]
-
-        def apply(address: str) -> None:
-            stub = self.clients.generator(address)
-            request = generator_pb2.ApplyWeightsRequest(manifest=manifest)
-            try:
-                stub.ApplyWeights(request, timeout=self.clients.long)
-            except grpc.RpcError as err:
-                # A restarted or new generator has no cached plan: send it the full manifest.
-                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not manifest.version_only:
-                    raise StepFailedError(
-                        "sync", f"generator {address}: {_rpc_error(err)}"
-                    ) from err
-                try:
-                    stub.ApplyWeights(full_manifest(), timeout=self.clients.long)
-                except grpc.RpcError as err2:
-                    raise StepFailedError(
-                        "sync", f"generator {address}: {_rpc_error(err2)}"
-                    ) from err2
-
-        self._fan_out([lambda a=a: apply(a) for a in generators])
-        try:
-            trainer.AcknowledgeWeights(
-                trainer_pb2.AcknowledgeWeightsRequest(version=version, generator_id="controller"),
-                timeout=self.clients.short,
-            )
-        except grpc.RpcError as err:
-            raise StepFailedError("sync", f"AcknowledgeWeights: {_rpc_error(err)}") from err
-
-    def _sync_with_retries(self, version: int) -> None:
-        """The trainer already holds ``version``: a failed sync is retried on its own (redoing
-        the step would train on its prompts twice). Republishing a pending version is allowed."""
-        for attempt in range(1, self.loop.max_step_attempts + 1):
-            try:
-                self.sync_weights(version)
-                return
-            except StepFailedError as err:
-                metrics.STEP_FAILURES.labels("sync").inc()
-                log.error("weight sync of version %d, attempt %d failed: %s", version, attempt, err)
-                if attempt == self.loop.max_step_attempts:
-                    raise RunFailedError(
-                        f"weight sync of version {version} failed {attempt} times ({err}); a "
-                        "restart resumes after the trained step and re-syncs the generators"
-                    ) from err
-                time.sleep(min(2.0 * attempt, 10.0))
 
     # -- one step --------------------------------------------------------------------------------
     def _timed(self, phase: str, timings: dict[str, float], fn: Callable[[], T]) -> T:
@@ -385,7 +311,11 @@ class GrpoLoop:
         reply, train_info = self._timed("train", timings, lambda: self._train(data))
         version = reply.policy_version if reply is not None else self.state.policy_version
         if reply is not None:
-            self._timed("sync", timings, lambda: self._sync_with_retries(version))
+            self._timed(
+                "sync",
+                timings,
+                lambda: self.weights.sync_with_retries(version, self.loop.max_step_attempts),
+            )
         return self._record(step, version, position_after, data, reply, train_info, timings)
 
     def _record(
@@ -492,8 +422,8 @@ class GrpoLoop:
             )
         except grpc.RpcError as err:
             # The run can go on: the previous checkpoint and the SQLite history still hold.
-            log.error("checkpoint of step %d failed: %s", self.state.step, _rpc_error(err))
-            self.state.set_error(f"checkpoint failed: {_rpc_error(err)}")
+            log.error("checkpoint of step %d failed: %s", self.state.step, describe_rpc_error(err))
+            self.state.set_error(f"checkpoint failed: {describe_rpc_error(err)}")
             return ""
         self.store.put("checkpoint", {"path": reply.path, "step": self.state.step})
         log.info("checkpoint of step %d at %s", self.state.step, reply.path)
@@ -544,19 +474,7 @@ class GrpoLoop:
             self.source.restore(resume_at.position_after)
             self.state.resume(resume_at.step, version)
             log.info("resuming after step %d at policy version %d", resume_at.step, version)
-        self._bring_generators_to(version)
-
-    def _bring_generators_to(self, version: int) -> None:
-        behind = []
-        for address in self._addresses(controller_pb2.COMPONENT_GENERATOR):
-            info = self.clients.generator(address).Info(
-                common_pb2.InfoRequest(), timeout=self.clients.short
-            )
-            if info.policy_version != version:
-                behind.append(address)
-        if behind:
-            log.info("generators %s are behind version %d: full weight sync", behind, version)
-            self.sync_weights(version, force_full=True)
+        self.weights.bring_generators_to(version)
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -582,7 +500,7 @@ class GrpoLoop:
         except (RunFailedError, StepFailedError) as err:
             self._fail(str(err))
         except grpc.RpcError as err:
-            self._fail(f"unexpected RPC failure: {_rpc_error(err)}")
+            self._fail(f"unexpected RPC failure: {describe_rpc_error(err)}")
         except Exception as err:  # the status page must say the loop is dead, and why
             log.exception("GRPO loop crashed")
             self._fail(f"loop crashed: {type(err).__name__}: {err}")
