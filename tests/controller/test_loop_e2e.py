@@ -157,6 +157,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         observed["steps"] = httpx.get(f"{again.rest_url}/v1/steps", timeout=5).json()
         observed["trainer"], observed["generator"] = _versions(again)
+        time.sleep(1.5)  # one heartbeat interval and a bit: the versions reach the controller
+        observed["workers"] = httpx.get(f"{again.rest_url}/v1/workers", timeout=5).json()
         observed["resumed_log"] = again.child("controller").log_path.read_text()
     finally:
         again.stop(grace=30, controller_first=True)
@@ -187,6 +189,8 @@ def test_generator_version_follows_the_trainer(scenario: dict[str, Any]) -> None
     final_version = scenario["trainer"].policy_version
     assert final_version == len(trained)
     assert scenario["generator"].policy_version == final_version
+    reported = {w["component"]: w["policy_version"] for w in scenario["workers"]}
+    assert reported["generator"] == reported["trainer"] == final_version
     versions = [s["policy_version"] for s in scenario["steps"]]
     assert versions == sorted(versions) and versions[-1] == final_version
 

@@ -286,8 +286,9 @@ def test_bad_manifests_are_rejected_and_old_weights_keep_serving(
     generator: GeneratorProcess, policy: Policy, how: str, code: grpc.StatusCode
 ) -> None:
     before = generate(generator, n=2, seed=51)
-    # A full manifest of the served weights, under a version that would otherwise be accepted.
-    version = policy.version if how == "stale" else policy.version + 1
+    # A full manifest of the served weights, under a version that would otherwise be accepted
+    # (stale: an older version than the one served).
+    version = policy.version - 1 if how == "stale" else policy.version + 1
     good = policy.manifest(version, force_full=True)
     policy.publisher.acknowledge(version)
     with pytest.raises(grpc.RpcError) as err:
@@ -357,3 +358,55 @@ def test_large_seeded_batch_keeps_the_engine_alive(generator: GeneratorProcess) 
     assert len(reply.samples) == 256
     print(f"256 seeded samples: {reply.completion_tokens / seconds:.0f} completion tokens/s")
     assert generate(generator, n=1, seed=1).samples
+
+
+def test_reapplying_the_served_version_is_a_no_op(
+    generator: GeneratorProcess, policy: Policy
+) -> None:
+    """A caller that lost ApplyWeights' reply retries it: the served version from the same
+    storage is accepted again without copying anything."""
+    before = generate(generator, n=2, seed=61)
+    manifest = policy.manifest(policy.version, force_full=True)
+    policy.publisher.acknowledge(policy.version)
+    reply = apply(generator, manifest)
+    assert reply.policy_version == policy.version and reply.plan_cached
+    after = generate(generator, n=2, seed=61)
+    assert [list(s.token_ids) for s in after.samples] == [list(s.token_ids) for s in before.samples]
+
+
+def test_rollback_to_an_older_version_needs_the_flag_and_a_full_manifest(
+    generator: GeneratorProcess, policy: Policy
+) -> None:
+    """The trainer went back to a checkpoint: its older version is refused as stale unless the
+    request says rollback, and then only as a full manifest."""
+    older = policy.version - 1
+    manifest = policy.manifest(older, force_full=True)
+    policy.publisher.acknowledge(older)
+    with pytest.raises(grpc.RpcError) as err:
+        apply(generator, manifest)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    version_only = weights_pb2.WeightManifest()
+    version_only.CopyFrom(manifest)
+    version_only.version_only = True
+    del version_only.shards[:]
+    with pytest.raises(grpc.RpcError) as err:
+        generator.stub.ApplyWeights(
+            generator_pb2.ApplyWeightsRequest(manifest=version_only, rollback=True), timeout=120
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reply = generator.stub.ApplyWeights(
+        generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=True), timeout=120
+    )
+    assert reply.policy_version == older
+    sample = generate(generator, n=1, seed=71).samples[0]
+    assert sample.policy_version == older
+    assert max_logprob_diff(policy, sample) < LOGPROB_TOLERANCE
+    # Forward again from there, as the restarted trainer would.
+    newer = older + 1
+    policy.perturb(0.3)
+    apply(generator, policy.manifest(newer))
+    policy.publisher.acknowledge(newer)
+    policy.version = newer
+    sample = generate(generator, n=1, seed=72).samples[0]
+    assert sample.policy_version == newer
+    assert max_logprob_diff(policy, sample) < LOGPROB_TOLERANCE

@@ -88,7 +88,8 @@ class LocalCluster:
     def urls(self) -> dict[str, str]:
         return {
             "controller REST": self.rest_url,
-            "dashboard / API docs": f"{self.rest_url}/docs",
+            "dashboard": f"{self.rest_url}/dashboard",
+            "API docs": f"{self.rest_url}/docs",
             "controller gRPC": f"{self.host}:{self.ports[0]}",
             "generator gRPC": f"{self.host}:{self.ports[2]}",
             "generator metrics": f"http://{self.host}:{self.ports[3]}/metrics",

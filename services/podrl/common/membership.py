@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -29,11 +30,13 @@ class MembershipClient:
         component: controller_pb2.Component.ValueType,
         address: str,
         info: common_pb2.ServiceInfo,
+        policy_version: Callable[[], int] | None = None,
     ) -> None:
         self._config = config
         self._component = component
         self._address = address
         self._info = info
+        self._policy_version = policy_version or (lambda: 0)
         self._incarnation = uuid.uuid4().hex
         self._stop = threading.Event()
         self._state = controller_pb2.WORKER_STATE_SERVING
@@ -43,7 +46,6 @@ class MembershipClient:
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self.registered = threading.Event()
-        self.policy_version = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -64,7 +66,6 @@ class MembershipClient:
             log.debug("register with controller failed: %s", err.code())
             return False
         self._interval = reply.heartbeat_interval_seconds or self._interval
-        self.policy_version = reply.policy_version
         self.registered.set()
         log.info("registered with controller %s", self._config.controller.address)
         return True
@@ -77,6 +78,7 @@ class MembershipClient:
                     component=self._component,
                     state=self._state,
                     incarnation=self._incarnation,
+                    policy_version=self._policy_version(),
                 ),
                 timeout=self._timeout,
             )

@@ -77,6 +77,8 @@ class ServiceSpec:
     """controller_pb2.Component to register as; None for the controller itself."""
     details: dict[str, str] = field(default_factory=dict)
     side_servers: list[SideServer] = field(default_factory=list)
+    policy_version: Callable[[], int] | None = None
+    """What the process serves or trains now; reported in heartbeats (status pages)."""
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     """Run right after health turns NOT_SERVING, while the gRPC server still answers (finish or
     stop long-running work that needs other services, e.g. the controller's loop)."""
@@ -153,7 +155,11 @@ class ServiceProcess:
                 details=self.spec.details,
             )
             self.membership = MembershipClient(
-                self.config, self.spec.component, section.address, info
+                self.config,
+                self.spec.component,
+                section.address,
+                info,
+                policy_version=self.spec.policy_version,
             )
             self.membership.start()
 

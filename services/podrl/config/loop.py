@@ -38,8 +38,10 @@ class LoopConfig(Section):
     max_step_attempts: int = Field(
         3,
         ge=1,
-        description="A step whose generate/score/sync phase fails is retried from scratch (same "
-        "prompts, nothing half-done kept) this many times before the run stops as failed.",
+        description="A step whose generate or score phase fails (or whose Train fails with the "
+        "trainer's version unchanged) is retried from scratch with the same prompts, nothing "
+        "half-done kept, this many times; a failed weight sync is retried on its own as often. "
+        "Then the run stops as failed.",
     )
     sample_seed: int | None = Field(
         None, description="Base seed for sampling (step s uses seed + s); None = unseeded."

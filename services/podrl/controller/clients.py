@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -11,7 +13,12 @@ from podrl.common.grpc_options import open_channel
 from podrl.config.transport import GrpcConfig
 from podrl.v1 import generator_pb2_grpc, grader_pb2_grpc, trainer_pb2_grpc
 
-Stub = TypeVar("Stub")
+T = TypeVar("T")
+
+
+def fan_out(pool: ThreadPoolExecutor, calls: list[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` concurrently on ``pool``; their results in order (the first error raises)."""
+    return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
 class WorkerClients:

@@ -35,7 +35,7 @@ import grpc
 from podrl.algorithms.advantages import batch_advantages
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.clients import WorkerClients
+from podrl.controller.clients import WorkerClients, fan_out
 from podrl.controller.run_outputs import SampleLog, write_summary
 from podrl.controller.run_store import PendingStep, RunStore, StepRecord
 from podrl.controller.status import RunState
@@ -128,9 +128,6 @@ class GrpoLoop:
         if err.code() in TRANSPORT_FAILURES:
             self.state.registry.mark_unreachable(address)
 
-    def _fan_out(self, calls: list[Callable[[], T]]) -> list[T]:
-        return [future.result() for future in [self._pool.submit(call) for call in calls]]
-
     # -- phases ----------------------------------------------------------------------------------
     def _generate(self, step: int, data: _StepData) -> None:
         generators = self._addresses(controller_pb2.COMPONENT_GENERATOR)
@@ -172,8 +169,9 @@ class GrpoLoop:
                 ) from err
 
         chunks = _split(data.items, len(generators))
-        replies = self._fan_out(
-            [lambda a=a, c=c: call(a, c) for a, c in zip(generators, chunks, strict=False)]
+        replies = fan_out(
+            self._pool,
+            [lambda a=a, c=c: call(a, c) for a, c in zip(generators, chunks, strict=False)],
         )
         for reply in replies:
             for sample in reply.samples:
@@ -221,8 +219,8 @@ class GrpoLoop:
                 ) from err
 
         chunks = _split(items, len(graders))
-        for reply in self._fan_out(
-            [lambda a=a, c=c: call(a, c) for a, c in zip(graders, chunks, strict=False)]
+        for reply in fan_out(
+            self._pool, [lambda a=a, c=c: call(a, c) for a, c in zip(graders, chunks, strict=False)]
         ):
             for score in reply.scores:
                 data.scores[score.id] = score
@@ -265,12 +263,14 @@ class GrpoLoop:
         try:
             return self.clients.trainer(address).Train(request, timeout=self.clients.long), info
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RunFailedError(f"trainer rejected the batch: {err.details()}") from err
             version = self._trainer_version(address)
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT and version != expected + 1:
+                raise RunFailedError(f"trainer rejected the batch: {err.details()}") from err
             if version == expected:
                 raise StepFailedError("train", describe_rpc_error(err)) from err
-            if version == expected + 1:  # applied; only the reply was lost
+            if version == expected + 1:
+                # Applied: the reply was lost, or an earlier attempt whose call failed on our
+                # side still ran to completion (then this one is refused for its version).
                 return trainer_pb2.TrainResponse(policy_version=version), info
             raise RunFailedError(
                 f"trainer {address} failed during Train ({describe_rpc_error(err)}) and now "
@@ -380,10 +380,16 @@ class GrpoLoop:
         metrics.SAMPLES_SCORED.inc(len(rewards))
         return record
 
+    def _align_generators(self) -> None:
+        self.weights.bring_generators_to(self.state.policy_version)
+
     def run_step_with_retries(self, stop: threading.Event) -> StepRecord | None:
         position_before = self.source.position()
         for attempt in range(1, self.loop.max_step_attempts + 1):
             try:
+                # A generator that restarted, or missed a sync while it was unreachable, is
+                # brought to the trainer's version first: its samples would be refused otherwise.
+                self._timed("align", {}, self._align_generators)
                 return self.run_step()
             except StepFailedError as err:
                 metrics.STEP_FAILURES.labels(err.phase).inc()
@@ -478,6 +484,7 @@ class GrpoLoop:
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        self.weights.stop = stop
         try:
             self._wait_for_workers(stop)
             if stop.is_set():
@@ -493,7 +500,9 @@ class GrpoLoop:
                     self.store.put("initial_reward", initial)
                 if self.loop.checkpoint_every and record.step % self.loop.checkpoint_every == 0:
                     self._timed("checkpoint", {}, self.checkpoint)
-            if self.state.step > 0:
+            if self.state.step > 0 and self.store.get("checkpoint", {}).get("step") != (
+                self.state.step
+            ):
                 self._timed("checkpoint", {}, self.checkpoint)
             self._write_summary()
             self.state.set_phase("finished" if self.state.step >= self.loop.steps else "stopped")

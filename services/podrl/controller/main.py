@@ -37,7 +37,8 @@ class RestServer:
 
 
 class LoopRunner:
-    """Runs the GRPO loop in a thread; stop() lets the current RPC finish, then ends it."""
+    """Runs the GRPO loop in a thread. stop() lets the step in flight finish (its retries end
+    early), then the loop checkpoints and ends; stop() returns when it has."""
 
     def __init__(self, loop: GrpoLoop) -> None:
         self._loop = loop

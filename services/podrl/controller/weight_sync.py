@@ -10,16 +10,16 @@ failed sync is retried on its own, never by redoing the step.
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.clients import WorkerClients
+from podrl.controller.clients import WorkerClients, fan_out
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
-from podrl.v1 import common_pb2, generator_pb2, trainer_pb2
+from podrl.v1 import common_pb2, generator_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
 
@@ -31,72 +31,94 @@ class WeightSync:
         pool: ThreadPoolExecutor,
         trainer_address: Callable[[], str],
         generators: Callable[[], list[str]],
+        stop: threading.Event | None = None,
     ) -> None:
         self._clients = clients
         self._pool = pool
         self._trainer_address = trainer_address
         self._generators = generators
+        self.stop = stop or threading.Event()
+        """Set when the run stops: retries end early."""
 
-    def _fan_out(self, calls: list[Callable[[], None]]) -> None:
-        for future in [self._pool.submit(call) for call in calls]:
-            future.result()
-
-    def sync(self, version: int, force_full: bool = False) -> None:
-        """Trainer publishes, every generator applies, trainer hears the acknowledgment."""
+    def sync(
+        self,
+        version: int,
+        force_full: bool = False,
+        generators: list[str] | None = None,
+        rollback: bool = False,
+    ) -> None:
+        """Trainer publishes, the generators (all healthy ones by default) apply, the trainer
+        hears the acknowledgment. ``rollback``: the generators may hold a newer version (the
+        trainer went back to a checkpoint)."""
         trainer = self._clients.trainer(self._trainer_address())
-        generators = self._generators()
-        try:
-            published = trainer.PublishWeights(
-                trainer_pb2.PublishWeightsRequest(force_full=force_full),
-                timeout=self._clients.long,
-            )
-        except grpc.RpcError as err:
-            raise StepFailedError("sync", f"PublishWeights: {describe_rpc_error(err)}") from err
-        manifest = published.manifest
-        if manifest.version != version:
-            raise StepFailedError(
-                "sync", f"trainer published version {manifest.version}, expected {version}"
-            )
-        full: list[generator_pb2.ApplyWeightsRequest] = []
+        targets = self._generators() if generators is None else generators
+        manifest = self._publish(trainer, version, force_full or rollback)
+        full = [manifest] if not manifest.version_only else []
+        full_lock = threading.Lock()
 
-        def full_manifest() -> generator_pb2.ApplyWeightsRequest:
-            if not full:
-                reply = trainer.PublishWeights(
-                    trainer_pb2.PublishWeightsRequest(force_full=True), timeout=self._clients.long
-                )
-                full.append(generator_pb2.ApplyWeightsRequest(manifest=reply.manifest))
-            return full[0]
+        def full_manifest() -> weights_pb2.WeightManifest:
+            with full_lock:  # one full publish, however many generators need it
+                if not full:
+                    full.append(self._publish(trainer, version, force_full=True))
+                return full[0]
 
         def apply(address: str) -> None:
             stub = self._clients.generator(address)
-            request = generator_pb2.ApplyWeightsRequest(manifest=manifest)
+            request = generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=rollback)
             try:
                 stub.ApplyWeights(request, timeout=self._clients.long)
+                return
             except grpc.RpcError as err:
                 # A restarted or new generator has no cached plan: send it the full manifest.
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not manifest.version_only:
                     raise StepFailedError(
                         "sync", f"generator {address}: {describe_rpc_error(err)}"
                     ) from err
-                try:
-                    stub.ApplyWeights(full_manifest(), timeout=self._clients.long)
-                except grpc.RpcError as err2:
-                    raise StepFailedError(
-                        "sync", f"generator {address}: {describe_rpc_error(err2)}"
-                    ) from err2
+            request = generator_pb2.ApplyWeightsRequest(manifest=full_manifest())
+            try:
+                stub.ApplyWeights(request, timeout=self._clients.long)
+            except grpc.RpcError as err:
+                raise StepFailedError(
+                    "sync", f"generator {address}: {describe_rpc_error(err)}"
+                ) from err
 
-        self._fan_out([lambda a=a: apply(a) for a in generators])
+        fan_out(self._pool, [lambda a=a: apply(a) for a in targets])
+        self._acknowledge(trainer, version)
+
+    def _publish(
+        self, trainer: trainer_pb2_grpc.TrainerStub, version: int, force_full: bool
+    ) -> weights_pb2.WeightManifest:
+        try:
+            published = trainer.PublishWeights(
+                trainer_pb2.PublishWeightsRequest(force_full=force_full),
+                timeout=self._clients.long,
+            )
+        except grpc.RpcError as err:
+            raise StepFailedError(
+                "sync", f"trainer PublishWeights: {describe_rpc_error(err)}"
+            ) from err
+        if published.manifest.version != version:
+            raise StepFailedError(
+                "sync",
+                f"trainer published version {published.manifest.version}, expected {version}",
+            )
+        return published.manifest
+
+    def _acknowledge(self, trainer: trainer_pb2_grpc.TrainerStub, version: int) -> None:
         try:
             trainer.AcknowledgeWeights(
                 trainer_pb2.AcknowledgeWeightsRequest(version=version, generator_id="controller"),
                 timeout=self._clients.short,
             )
         except grpc.RpcError as err:
-            raise StepFailedError("sync", f"AcknowledgeWeights: {describe_rpc_error(err)}") from err
+            raise StepFailedError(
+                "sync", f"trainer AcknowledgeWeights: {describe_rpc_error(err)}"
+            ) from err
 
     def sync_with_retries(self, version: int, attempts: int) -> None:
         """The trainer already holds ``version``: a failed sync is retried on its own (redoing
-        the step would train on its prompts twice). Republishing a pending version is allowed."""
+        the step would train on its prompts twice). Republishing a pending version is allowed,
+        and a generator that already applied it answers the retry with success."""
         for attempt in range(1, attempts + 1):
             try:
                 self.sync(version)
@@ -104,22 +126,39 @@ class WeightSync:
             except StepFailedError as err:
                 metrics.STEP_FAILURES.labels("sync").inc()
                 log.error("weight sync of version %d, attempt %d failed: %s", version, attempt, err)
-                if attempt == attempts:
+                if attempt == attempts or self.stop.is_set():
                     raise RunFailedError(
                         f"weight sync of version {version} failed {attempt} times ({err}); a "
                         "restart resumes after the trained step and re-syncs the generators"
                     ) from err
-                time.sleep(min(2.0 * attempt, 10.0))
+                self.stop.wait(min(2.0 * attempt, 10.0))
 
     def bring_generators_to(self, version: int) -> None:
-        """Generators whose policy version is not ``version`` get a full manifest."""
-        behind = []
+        """Generators that do not serve ``version`` get a full manifest of it (those ahead of
+        the trainer roll back); the trainer is acknowledged in any case, so a version whose
+        acknowledgement was lost (e.g. the controller died mid-sync) cannot block it."""
+        behind: list[str] = []
+        ahead: list[str] = []
         for address in self._generators():
-            info = self._clients.generator(address).Info(
-                common_pb2.InfoRequest(), timeout=self._clients.short
-            )
-            if info.policy_version != version:
+            try:
+                info = self._clients.generator(address).Info(
+                    common_pb2.InfoRequest(), timeout=self._clients.short
+                )
+            except grpc.RpcError as err:
+                raise StepFailedError(
+                    "sync", f"generator {address} Info: {describe_rpc_error(err)}"
+                ) from err
+            if info.policy_version < version:
                 behind.append(address)
+            elif info.policy_version > version:
+                ahead.append(address)
         if behind:
             log.info("generators %s are behind version %d: full weight sync", behind, version)
-            self.sync(version, force_full=True)
+            self.sync(version, force_full=True, generators=behind)
+        if ahead:
+            log.warning(
+                "generators %s are ahead of the trainer (version %d): rollback", ahead, version
+            )
+            self.sync(version, generators=ahead, rollback=True)
+        if not behind and not ahead:
+            self._acknowledge(self._clients.trainer(self._trainer_address()), version)

@@ -295,14 +295,34 @@ class VllmEngine:
     # ---- weights -------------------------------------------------------------------------
 
     def apply_manifest(
-        self, manifest: weights_pb2.WeightManifest, timeout: float | None
+        self, manifest: weights_pb2.WeightManifest, timeout: float | None, rollback: bool = False
     ) -> ApplyResult:
         """Check ``manifest`` and write it into every worker; raises ``ManifestError``
-        (nothing applied) or ``LockTimeoutError``."""
+        (nothing applied) or ``LockTimeoutError``.
+
+        Applying the version already served from the same storage again is a no-op success, so
+        a caller that lost the reply can simply retry. ``rollback`` accepts an older version
+        (the trainer restarted from a checkpoint): full manifests only, handles reopened."""
         with self._lock.write(timeout):
             self._require_weights_resident()
             applied = self._applied
-            if self._weights_dropped:  # the same version may be applied again
+            if (
+                not rollback
+                and not self._weights_dropped
+                and manifest.version == applied.version
+                and applied.fingerprint is not None
+                and manifest.model_fingerprint == applied.fingerprint
+            ):
+                return ApplyResult(applied.version, 0.0, plan_cached=True, mode="unchanged")
+            if rollback:
+                if manifest.version_only:
+                    raise ManifestError(
+                        ManifestErrorKind.FINGERPRINT,
+                        "a rollback needs a full manifest; publish with force_full",
+                    )
+                self._release_worker_weights(timeout)
+                applied = AppliedWeights(version=-1, fingerprint=None)
+            elif self._weights_dropped:  # the same version may be applied again
                 applied = AppliedWeights(version=max(0, applied.version - 1), fingerprint=None)
             check_manifest_order(manifest, applied)
             payload = manifest.SerializeToString()
@@ -362,6 +382,10 @@ class VllmEngine:
             mode=replies[0]["mode"],
         )
 
+    def _release_worker_weights(self, timeout: float | None) -> None:
+        """Every worker drops its receiver (opened handles, cached plan, version)."""
+        self._run(self._engine.collective_rpc("podrl_release_weights"), timeout)
+
     def _require_weights_resident(self) -> None:
         if self._sleeping:
             raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
@@ -385,7 +409,9 @@ class VllmEngine:
                 return
             self._run(self._engine.wake_up(), timeout)
             if self._sleeping == 2:
-                # Level 2 dropped the weights: only a full manifest can bring them back.
+                # Level 2 dropped the weights: only a full manifest can bring them back, and the
+                # workers' receivers must accept the served version once more.
+                self._release_worker_weights(timeout)
                 self._applied = AppliedWeights(version=self._applied.version, fingerprint=None)
                 self._weights_dropped = True
             self._sleeping = 0

@@ -40,6 +40,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         until_ready=load_engine,
     )
     spec.details.update(model=str(model_path), dtype=gen.dtype)
+    spec.policy_version = lambda: engine.policy_version
     return spec
 
 

@@ -132,7 +132,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if not request.HasField("manifest"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest: required")
         try:
-            result = self._engine.apply_manifest(request.manifest, context.time_remaining())
+            result = self._engine.apply_manifest(
+                request.manifest, context.time_remaining(), rollback=request.rollback
+            )
         except ManifestError as err:
             log.warning("manifest version %d rejected: %s", request.manifest.version, err)
             context.abort(err.status_code, str(err))

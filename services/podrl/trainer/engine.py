@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 
 # Metric sums all-reduced over the data-parallel ranks, in this order.
 _SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio", "clipped", "tokens", "logprob_diff")
+
+
+class TrainNotAllowedError(RuntimeError):
+    """The trainer may not take a step now; the message says what must happen first
+    (→ FAILED_PRECONDITION)."""
 
 
 class TrainerEngine:
@@ -98,6 +104,9 @@ class TrainerEngine:
         )
         self.step = 0
         self.policy_version = 0
+        # Checks that may refuse a step before any rank starts it (e.g. weights published from
+        # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
+        self.train_gates: list[Callable[[], None]] = []
         log.info(
             "trainer rank %d/%d: %s on %s, mesh %s",
             self.env.rank,
@@ -122,8 +131,11 @@ class TrainerEngine:
         return float(self.scheduler.get_last_lr()[0])
 
     def validate(self, request: trainer_pb2.TrainRequest) -> None:
-        """Raise BatchError if ``request`` must not be trained on (rank 0, before broadcast)."""
+        """Raise BatchError if ``request`` must not be trained on, TrainNotAllowedError if the
+        trainer may not step now (rank 0, before broadcast)."""
         validate_train_request(request, self.policy_version, self.limits)
+        for gate in self.train_gates:
+            gate()
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -149,6 +161,8 @@ class TrainerEngine:
     def train_step(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
         """One optimizer step on the whole batch (every rank, same request) → metrics."""
         started = time.monotonic()
+        # A failed earlier attempt may have left gradients behind: never add them to this step.
+        self.optimizer.zero_grad(set_to_none=True)
         sequences = list(request.sequences)
         totals = batch_totals(sequences)
         micro_batches = split_for_rank(

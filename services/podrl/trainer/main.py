@@ -40,6 +40,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         on_close=[loop.shutdown, engine.close],
     )
     spec.details.update({"world_size": str(engine.env.world_size), "device": str(engine.device)})
+    spec.policy_version = lambda: engine.policy_version
     return spec
 
 

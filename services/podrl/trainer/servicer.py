@@ -1,7 +1,7 @@
 """gRPC Trainer service (rank 0). Each RPC that changes or reads sharded state runs on every
 rank through the rank command loop; validation happens here first, so a bad request never
-reaches the other ranks. PublishWeights/AcknowledgeWeights belong to the weight-transfer layer
-and answer UNIMPLEMENTED until it registers them."""
+reaches the other ranks. PublishWeights/AcknowledgeWeights run the weight-transfer layer's
+commands (``podrl.weights.trainer_commands``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import podrl
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, commands
 from podrl.trainer.batch import BatchError
-from podrl.trainer.engine import TrainerEngine
+from podrl.trainer.engine import TrainerEngine, TrainNotAllowedError
 from podrl.trainer.rank_commands import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -47,6 +47,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 self._engine.validate(request)
             except BatchError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
+            except TrainNotAllowedError as err:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
             payload = self._run(commands.TRAIN, request, context)
         reply = trainer_pb2.TrainResponse.FromString(payload)
         m = reply.metrics

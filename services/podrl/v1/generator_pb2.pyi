@@ -31,10 +31,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ApplyWeightsRequest(_message.Message):
-    __slots__ = ("manifest",)
+    __slots__ = ("manifest", "rollback")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightManifest
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ...) -> None: ...
+    rollback: bool
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class ApplyWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "apply_seconds", "plan_cached")

@@ -6,9 +6,10 @@ bytes are gathered to rank 0 over the model's process group (no pickle) and rank
 the manifest, which is its reply (``PublishWeightsResponse``). ``acknowledge_weights`` releases
 the published version on every rank.
 
-On GPUs the FSDP2 parameters are published in place, so an optimizer pre-step hook blocks
-``optimizer.step()`` until the pending version is acknowledged (``ack_timeout`` seconds, then
-the step fails rather than overwrite weights a generator may be reading). On CPUs the staging
+On GPUs the FSDP2 parameters are published in place, so a Train is refused up front
+(FAILED_PRECONDITION) while a published version is unacknowledged, and an optimizer pre-step
+hook guards the parameters as a last line (``ack_timeout`` seconds, then the step fails rather
+than overwrite weights a generator may be reading). On CPUs the staging
 copy makes the step safe; only the next publish waits for the acknowledgement.
 """
 
@@ -55,6 +56,21 @@ class TrainerWeightSync:
         self.assembler = ManifestAssembler(publisher_id)
         self.ack_timeout = ack_timeout
         engine.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        gates = getattr(engine, "train_gates", None)
+        if gates is not None:
+            gates.append(self._check_can_train)
+
+    def _check_can_train(self) -> None:
+        """Refuse a Train up front while published GPU parameters await their acknowledgement:
+        the ack travels through the same rank command loop that a running Train occupies, so
+        waiting inside the step could only time out."""
+        if self.publisher.must_wait_before_step:
+            from podrl.trainer.engine import TrainNotAllowedError
+
+            raise TrainNotAllowedError(
+                f"version {self.publisher.pending_version} was published from the live GPU "
+                "parameters and is not acknowledged; call AcknowledgeWeights after ApplyWeights"
+            )
 
     def _before_optimizer_step(self, *_: object) -> None:
         if self.publisher.must_wait_before_step and not self.publisher.wait_for_acknowledgement(
