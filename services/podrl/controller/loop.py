@@ -473,6 +473,11 @@ class GrpoLoop:
                 f"the trainer holds policy version {version} but {self.config.run_dir} has no "
                 "record of it; point run_dir at the run the trainer belongs to"
             )
+        if resume_at is None and self.store.last_step() is not None:
+            # The trainer starts from scratch (no checkpoint to go back to): so does the run.
+            log.warning("the trainer is at version 0 with no checkpoint: the run starts over")
+            self.store.forget_steps_after(0)
+            self.store.put("initial_reward", None)
         if resume_at is not None:
             dropped = self.store.forget_steps_after(resume_at.step)
             if dropped:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,7 +143,3 @@ class RunStore:
         with self._lock:
             row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
-
-
-def now() -> float:
-    return time.time()
