@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from podrl.v1 import trainer_pb2
+from podrl.weights.distributed import gather_bytes
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +75,6 @@ class CommandLoop:
             dist.broadcast(buffer, src=0, group=self._group)
         return bytes(buffer.numpy().tobytes()) if self.rank else data
 
-    def _gather_bytes(self, data: bytes) -> list[bytes]:
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(lengths, length, group=self._group)
-        longest = max(int(t.item()) for t in lengths)
-        padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
-        if data:
-            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(padded, out, dst=0, group=self._group)
-        if self.rank != 0:
-            return []
-        return [
-            bytes(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, lengths, strict=True)
-        ]
-
     def _dispatch(self, command: trainer_pb2.RankCommand) -> trainer_pb2.RankReply:
         handler = self._handlers.get(command.name)
         if handler is None:
@@ -124,7 +109,7 @@ class CommandLoop:
         return [r.payload for r in replies]
 
     def _gather(self, reply: trainer_pb2.RankReply) -> list[bytes]:
-        return self._gather_bytes(reply.SerializeToString())
+        return gather_bytes(reply.SerializeToString(), dst=0, group=self._group)
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to leave ``serve_forever`` (idempotent)."""

@@ -27,7 +27,8 @@ def gather_bytes(
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     longest = int(max(s.item() for s in sizes))
-    data = torch.zeros(longest, dtype=torch.uint8, device=device)
+    # Never a zero-size buffer: some backends refuse to gather empty tensors.
+    data = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
     if payload:
         data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     global_dst = dst if group is None else dist.get_global_rank(group, dst)
