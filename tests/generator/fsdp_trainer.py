@@ -16,25 +16,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def _wait_for(path: Path, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.05)
-
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.rename(path)
+from tests.file_handshake import wait_for, write_atomic
 
 
 @torch.no_grad()
@@ -71,7 +58,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
     assembler = ManifestAssembler(publisher)
     for version in (1, 2):
         if version == 2:
-            _wait_for(out / "ack-1")
+            wait_for(out / "ack-1", timeout=600)
             publisher_.acknowledge(1)
             torch.manual_seed(100 + rank)  # an "optimizer step": in place, per local shard
             with torch.no_grad():
@@ -80,8 +67,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
         parts = gather_publications(publisher_.prepare(version))
         if rank == 0:
             manifest = assembler.assemble(version, parts)
-            _write(out / f"manifest-{version}.bin", manifest.SerializeToString())
-        _wait_for(out / f"sequences-{version}.json")
+            write_atomic(out / f"manifest-{version}.bin", manifest.SerializeToString())
+        wait_for(out / f"sequences-{version}.json", timeout=600)
         scores = _score(model, json.loads((out / f"sequences-{version}.json").read_text()))
         # The root FSDP module keeps its parameters unsharded after a forward; shard them again
         # so the published (sharded) storage is what the next step updates.
@@ -89,9 +76,9 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
             if isinstance(module, FSDPModule):
                 module.reshard()
         if rank == 0:
-            _write(out / f"logprobs-{version}.json", json.dumps(scores).encode())
+            write_atomic(out / f"logprobs-{version}.json", json.dumps(scores).encode())
     (out / f"pid-{rank}").write_text(str(os.getpid()))
-    _wait_for(out / "done", timeout=3600)
+    wait_for(out / "done", timeout=3600)
 
 
 if __name__ == "__main__":

@@ -23,21 +23,9 @@ from pathlib import Path
 
 import torch
 
+from tests.file_handshake import wait_for, write_atomic
+
 TRUSTED_PUBLISHER = "trainer-gpu-test"
-
-
-def wait_for(path: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.01)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.rename(path)
 
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int, out: str) -> None:
@@ -102,7 +90,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
             if rank == 0:
                 torch.save(full, out_dir / f"full-{version}.pt")
                 manifest = trainer_pb2.PublishWeightsResponse.FromString(reply).manifest
-                _write_atomic(out_dir / f"manifest-{version}.bin", manifest.SerializeToString())
+                write_atomic(out_dir / f"manifest-{version}.bin", manifest.SerializeToString())
         master = {str(p.dtype) for p in engine.model.parameters()}
         placements = sorted({str(p.placements) for p in engine.model.parameters()})
         if rank == 0:
@@ -115,7 +103,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
                 "pending_before_step": pending_before_step,
                 **events,
             }
-            _write_atomic(out_dir / "report.json", json.dumps(report).encode())
+            write_atomic(out_dir / "report.json", json.dumps(report).encode())
         wait_for(out_dir / "done", timeout=600)
     finally:
         stop.set()

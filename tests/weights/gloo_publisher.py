@@ -11,22 +11,15 @@ alive (their shared memory mapped by the test) until ``done`` appears.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tests.file_handshake import wait_for
+
 MESH_KINDS = ("fsdp2", "tp2", "fsdp2xtp2")
 WORLD = 4
-
-
-def wait_for(path: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.02)
 
 
 def _parallelize(model: torch.nn.Module, mesh_kind: str) -> None:
