@@ -67,7 +67,7 @@ class WakeUpResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GeneratorInfo(_message.Message):
-    __slots__ = ("info", "model", "policy_version", "tensor_parallel_size", "device", "dtype", "sleeping")
+    __slots__ = ("info", "model", "policy_version", "tensor_parallel_size", "device", "dtype", "sleeping", "weight_state")
     INFO_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GeneratorInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_STATE_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServiceInfo
     model: str
     policy_version: int
@@ -82,4 +83,5 @@ class GeneratorInfo(_message.Message):
     device: str
     dtype: str
     sleeping: bool
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sleeping: _Optional[bool] = ...) -> None: ...
+    weight_state: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sleeping: _Optional[bool] = ..., weight_state: _Optional[str] = ...) -> None: ...

@@ -26,7 +26,7 @@ from podrl.v1 import common_pb2 as podrl_dot_v1_dot_common__pb2
 from podrl.v1 import weights_pb2 as podrl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/trainer.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"\x95\x01\n\rTrainSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x11\n\tadvantage\x18\x05 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\"R\n\x0cTrainRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.podrl.v1.TrainSequence\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"\xfa\x01\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07pg_loss\x18\x02 \x01(\x01\x12\n\n\x02kl\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x04 \x01(\x01\x12\x12\n\nratio_mean\x18\x05 \x01(\x01\x12\x15\n\rclip_fraction\x18\x06 \x01(\x01\x12\x11\n\tgrad_norm\x18\x07 \x01(\x01\x12\x19\n\x11logprob_diff_mean\x18\x08 \x01(\x01\x12\x18\n\x10logprob_diff_max\x18\t \x01(\x01\x12\x0e\n\x06tokens\x18\n \x01(\x04\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\"^\n\rTrainResponse\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.podrl.v1.TrainMetrics\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x15PublishWeightsRequest\x12\x12\n\nforce_full\x18\x01 \x01(\x08\"D\n\x16PublishWeightsResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\"B\n\x19\x41\x63knowledgeWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cgenerator_id\x18\x02 \x01(\t\"\x1c\n\x1a\x41\x63knowledgeWeightsResponse\"?\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x18\n\x10\x63ontroller_state\x18\x02 \x01(\x0c\"L\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"X\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10\x63ontroller_state\x18\x03 \x01(\x0c\"\x1f\n\x0f\x45xportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"/\n\x10\x45xportHFResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t\"A\n\x08MeshInfo\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\x9d\x01\n\x0bTrainerInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12 \n\x04mesh\x18\x06 \x01(\x0b\x32\x12.podrl.v1.MeshInfo\",\n\x0bRankCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"+\n\tRankReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x32\x9c\x04\n\x07Trainer\x12\x38\n\x05Train\x12\x16.podrl.v1.TrainRequest\x1a\x17.podrl.v1.TrainResponse\x12S\n\x0ePublishWeights\x12\x1f.podrl.v1.PublishWeightsRequest\x1a .podrl.v1.PublishWeightsResponse\x12_\n\x12\x41\x63knowledgeWeights\x12#.podrl.v1.AcknowledgeWeightsRequest\x1a$.podrl.v1.AcknowledgeWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.podrl.v1.SaveCheckpointRequest\x1a .podrl.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.podrl.v1.LoadCheckpointRequest\x1a .podrl.v1.LoadCheckpointResponse\x12\x41\n\x08\x45xportHF\x12\x19.podrl.v1.ExportHFRequest\x1a\x1a.podrl.v1.ExportHFResponse\x12\x34\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x15.podrl.v1.TrainerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/trainer.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"\x95\x01\n\rTrainSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x11\n\tadvantage\x18\x05 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\"d\n\x0cTrainRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.podrl.v1.TrainSequence\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\t\"\xfa\x01\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07pg_loss\x18\x02 \x01(\x01\x12\n\n\x02kl\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x04 \x01(\x01\x12\x12\n\nratio_mean\x18\x05 \x01(\x01\x12\x15\n\rclip_fraction\x18\x06 \x01(\x01\x12\x11\n\tgrad_norm\x18\x07 \x01(\x01\x12\x19\n\x11logprob_diff_mean\x18\x08 \x01(\x01\x12\x18\n\x10logprob_diff_max\x18\t \x01(\x01\x12\x0e\n\x06tokens\x18\n \x01(\x04\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\"^\n\rTrainResponse\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.podrl.v1.TrainMetrics\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x15PublishWeightsRequest\x12\x12\n\nforce_full\x18\x01 \x01(\x08\"D\n\x16PublishWeightsResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\"B\n\x19\x41\x63knowledgeWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cgenerator_id\x18\x02 \x01(\t\"\x1c\n\x1a\x41\x63knowledgeWeightsResponse\"?\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x18\n\x10\x63ontroller_state\x18\x02 \x01(\x0c\"L\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"X\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10\x63ontroller_state\x18\x03 \x01(\x0c\"\x1f\n\x0f\x45xportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"/\n\x10\x45xportHFResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t\"A\n\x08MeshInfo\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\xe1\x01\n\x0bTrainerInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12 \n\x04mesh\x18\x06 \x01(\x0b\x32\x12.podrl.v1.MeshInfo\x12\x15\n\rlast_batch_id\x18\x07 \x01(\t\x12+\n\nlast_train\x18\x08 \x01(\x0b\x32\x17.podrl.v1.TrainResponse\",\n\x0bRankCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"+\n\tRankReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x32\x9c\x04\n\x07Trainer\x12\x38\n\x05Train\x12\x16.podrl.v1.TrainRequest\x1a\x17.podrl.v1.TrainResponse\x12S\n\x0ePublishWeights\x12\x1f.podrl.v1.PublishWeightsRequest\x1a .podrl.v1.PublishWeightsResponse\x12_\n\x12\x41\x63knowledgeWeights\x12#.podrl.v1.AcknowledgeWeightsRequest\x1a$.podrl.v1.AcknowledgeWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.podrl.v1.SaveCheckpointRequest\x1a .podrl.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.podrl.v1.LoadCheckpointRequest\x1a .podrl.v1.LoadCheckpointResponse\x12\x41\n\x08\x45xportHF\x12\x19.podrl.v1.ExportHFRequest\x1a\x1a.podrl.v1.ExportHFResponse\x12\x34\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x15.podrl.v1.TrainerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,39 +36,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSEQUENCE']._serialized_start=84
   _globals['_TRAINSEQUENCE']._serialized_end=233
   _globals['_TRAINREQUEST']._serialized_start=235
-  _globals['_TRAINREQUEST']._serialized_end=317
-  _globals['_TRAINMETRICS']._serialized_start=320
-  _globals['_TRAINMETRICS']._serialized_end=570
-  _globals['_TRAINRESPONSE']._serialized_start=572
-  _globals['_TRAINRESPONSE']._serialized_end=666
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=668
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=711
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=713
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=781
-  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_start=783
-  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_end=849
-  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_start=851
-  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_end=879
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=881
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=944
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=946
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1022
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1024
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1061
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1063
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1151
-  _globals['_EXPORTHFREQUEST']._serialized_start=1153
-  _globals['_EXPORTHFREQUEST']._serialized_end=1184
-  _globals['_EXPORTHFRESPONSE']._serialized_start=1186
-  _globals['_EXPORTHFRESPONSE']._serialized_end=1233
-  _globals['_MESHINFO']._serialized_start=1235
-  _globals['_MESHINFO']._serialized_end=1300
-  _globals['_TRAINERINFO']._serialized_start=1303
-  _globals['_TRAINERINFO']._serialized_end=1460
-  _globals['_RANKCOMMAND']._serialized_start=1462
-  _globals['_RANKCOMMAND']._serialized_end=1506
-  _globals['_RANKREPLY']._serialized_start=1508
-  _globals['_RANKREPLY']._serialized_end=1551
-  _globals['_TRAINER']._serialized_start=1554
-  _globals['_TRAINER']._serialized_end=2094
+  _globals['_TRAINREQUEST']._serialized_end=335
+  _globals['_TRAINMETRICS']._serialized_start=338
+  _globals['_TRAINMETRICS']._serialized_end=588
+  _globals['_TRAINRESPONSE']._serialized_start=590
+  _globals['_TRAINRESPONSE']._serialized_end=684
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=686
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=729
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=731
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=799
+  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_start=801
+  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_end=867
+  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_start=869
+  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_end=897
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=899
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=962
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=964
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1040
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1042
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1079
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1081
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1169
+  _globals['_EXPORTHFREQUEST']._serialized_start=1171
+  _globals['_EXPORTHFREQUEST']._serialized_end=1202
+  _globals['_EXPORTHFRESPONSE']._serialized_start=1204
+  _globals['_EXPORTHFRESPONSE']._serialized_end=1251
+  _globals['_MESHINFO']._serialized_start=1253
+  _globals['_MESHINFO']._serialized_end=1318
+  _globals['_TRAINERINFO']._serialized_start=1321
+  _globals['_TRAINERINFO']._serialized_end=1546
+  _globals['_RANKCOMMAND']._serialized_start=1548
+  _globals['_RANKCOMMAND']._serialized_end=1592
+  _globals['_RANKREPLY']._serialized_start=1594
+  _globals['_RANKREPLY']._serialized_end=1637
+  _globals['_TRAINER']._serialized_start=1640
+  _globals['_TRAINER']._serialized_end=2180
 # @@protoc_insertion_point(module_scope)

@@ -25,12 +25,14 @@ class TrainSequence(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("sequences", "policy_version")
+    __slots__ = ("sequences", "policy_version", "batch_id")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
     policy_version: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    batch_id: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
     __slots__ = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "learning_rate", "step_seconds")
@@ -153,20 +155,24 @@ class MeshInfo(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dim_names: _Optional[_Iterable[str]] = ..., device_type: _Optional[str] = ...) -> None: ...
 
 class TrainerInfo(_message.Message):
-    __slots__ = ("info", "model", "policy_version", "step", "world_size", "mesh")
+    __slots__ = ("info", "model", "policy_version", "step", "world_size", "mesh", "last_batch_id", "last_train")
     INFO_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
+    LAST_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRAIN_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServiceInfo
     model: str
     policy_version: int
     step: int
     world_size: int
     mesh: MeshInfo
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ...) -> None: ...
+    last_batch_id: str
+    last_train: TrainResponse
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., last_batch_id: _Optional[str] = ..., last_train: _Optional[_Union[TrainResponse, _Mapping]] = ...) -> None: ...
 
 class RankCommand(_message.Message):
     __slots__ = ("name", "payload")

@@ -1,0 +1,45 @@
+"""The fault-injection points chaos tests use (podrl.common.faults)."""
+
+import time
+
+import pytest
+
+from podrl.common import faults
+
+
+@pytest.fixture(autouse=True)
+def _clear_plan():
+    yield
+    faults.reset("[]")
+
+
+def test_rule_matches_context_and_fires_the_given_number_of_times():
+    faults.reset('[{"point": "p", "rank": 1, "times": 2, "skip": 1}]')
+    faults.hit("p", rank=0)  # other rank: never fires
+    faults.hit("p", rank=1)  # skipped
+    for _ in range(2):
+        with pytest.raises(faults.InjectedFaultError, match="injected fault at p"):
+            faults.hit("p", rank=1)
+    faults.hit("p", rank=1)  # times exhausted
+    faults.hit("q", rank=1)  # other point
+
+
+def test_delay_rule_stalls_the_caller():
+    faults.reset('[{"point": "slow", "action": "delay", "seconds": 0.2}]')
+    started = time.monotonic()
+    faults.hit("slow")
+    assert time.monotonic() - started >= 0.2
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ("{", "not valid JSON"),
+        ('{"point": "p"}', "JSON list"),
+        ('[{"action": "raise"}]', r"\[0\] needs a string 'point'"),
+        ('[{"point": "p", "action": "explode"}]', r"\[0\]\.action must be one of"),
+    ],
+)
+def test_malformed_plan_names_the_rule(plan, message):
+    with pytest.raises(ValueError, match=message):
+        faults.parse(plan)
