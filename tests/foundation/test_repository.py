@@ -41,3 +41,19 @@ def test_controller_and_grader_import_without_torch_or_vllm() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_setup_falls_back_to_the_torch_index_the_user_names() -> None:
+    # `make -n` prints the recipe without running it; -W forces the setup stamp to be stale.
+    dry = subprocess.run(
+        ["make", "-n", "setup", "-W", "pyproject.toml", "TORCH_INDEX=https://mirror.test/cpu"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    torch_lines = [line for line in dry.stdout.splitlines() if "torch==2.13.0" in line]
+    # First from what pip already sees (no index named), then the named CPU index.
+    assert "--extra-index-url" not in torch_lines[0]
+    assert "|| " in dry.stdout and "--extra-index-url https://mirror.test/cpu" in dry.stdout
+    assert "torch==2.13.0+cpu" in (REPO_ROOT / "constraints.txt").read_text()
