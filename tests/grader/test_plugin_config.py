@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from podrl.config import ConfigError, load_config
-from podrl.grader.rewards import build_reward_plans, score_item
+from podrl.grader.rewards import build_reward_plans, score_with_plan
 from podrl.grader.rewards.plan import InvalidRewardError, ItemInput
 from tests.grader.conftest import grader_config
 
@@ -80,14 +80,14 @@ def test_plugin_receives_params_and_context() -> None:
     item = ItemInput(
         prompt="p", completion="x", reference="r", task="t", metadata={"expected": "x"}
     )
-    assert score_item(plans["t"], item).reward == pytest.approx(1.25)
+    assert score_with_plan(plans["t"], item).reward == pytest.approx(1.25)
     assert plans["t"].components[0].context == ("metadata",)
 
 
 def test_non_numeric_reward_is_an_error() -> None:
     plans = _plans([{"name": f"{MODULE}:returns_text"}])
     with pytest.raises(InvalidRewardError, match="must return a number"):
-        score_item(plans["t"], ItemInput(prompt="", completion="", reference="", task="t"))
+        score_with_plan(plans["t"], ItemInput(prompt="", completion="", reference="", task="t"))
 
 
 def test_grader_process_exits_2_with_the_field_on_a_bad_plugin(tmp_path: Path) -> None:

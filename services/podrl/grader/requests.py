@@ -1,4 +1,4 @@
-"""Build Score requests from task items (what the controller sends to the grader)."""
+"""Build the grader's ScoreItem request messages from task items (what the controller sends)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ from podrl.tasks.base import PromptItem
 from podrl.v1 import grader_pb2
 
 
-def score_item(item: PromptItem, completion: str, sample: int) -> grader_pb2.ScoreItem:
-    """The ScoreItem for completion number ``sample`` of ``item``; its id is ``{item.id}#{sample}``
-    (unique per completion, so the reply maps back to it)."""
+def build_score_item(item: PromptItem, completion: str, sample_id: str) -> grader_pb2.ScoreItem:
+    """The ScoreItem asking the grader to score ``completion`` of ``item``.
+
+    ``sample_id`` names this one completion; the grader echoes it in ``ItemScore.id``, which is
+    how the caller maps each reply back (the controller passes its per-sample id,
+    ``"{item.id}#{index}"``). Prompt, reference, task and metadata come from the item, so the
+    grader sees exactly what the task source produced.
+    """
     return grader_pb2.ScoreItem(
-        id=f"{item.id}#{sample}",
+        id=sample_id,
         prompt=item.prompt,
         completion=completion,
         reference=item.reference,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
-from podrl.grader.rewards.plan import ItemInput, TaskRewardPlan, score_item
+from podrl.grader.rewards.plan import ItemInput, TaskRewardPlan, score_with_plan
 from podrl.v1 import grader_pb2
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ScoringPool:
         pool = self._active_pool()
         started = time.perf_counter()
         futures = [
-            pool.schedule(score_item, args=(plan, item), timeout=self.item_timeout)
+            pool.schedule(score_with_plan, args=(plan, item), timeout=self.item_timeout)
             for plan, item in jobs
         ]
         # pebble's timeout runs from when an item starts; queued items wait for a free worker.

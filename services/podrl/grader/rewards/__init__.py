@@ -7,7 +7,7 @@ from podrl.grader.rewards.plan import (
     ItemOutput,
     RewardComponent,
     TaskRewardPlan,
-    score_item,
+    score_with_plan,
 )
 from podrl.grader.rewards.registry import build_reward_plans, check_signature, resolve_reward
 
@@ -21,5 +21,5 @@ __all__ = [
     "build_reward_plans",
     "check_signature",
     "resolve_reward",
-    "score_item",
+    "score_with_plan",
 ]

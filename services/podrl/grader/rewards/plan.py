@@ -58,7 +58,7 @@ class InvalidRewardError(TypeError):
     """A reward function returned something other than a finite number."""
 
 
-def score_item(plan: TaskRewardPlan, item: ItemInput) -> ItemOutput:
+def score_with_plan(plan: TaskRewardPlan, item: ItemInput) -> ItemOutput:
     """The weighted sum of the plan's rewards for ``item`` (raises what a reward raises)."""
     start = time.perf_counter()
     context = {"prompt": item.prompt, "task": item.task, "metadata": item.metadata}
