@@ -109,3 +109,43 @@ def test_micro_batches_sum_to_the_batch_loss(mode):
         for i in range(2)
     )
     assert parts == pytest.approx(whole, abs=1e-6)
+
+
+def test_dual_clip_bounds_a_negative_advantage_token_of_huge_ratio():
+    """One token (A = -2) whose trainer/generator ratio is e^10: without the dual clip it adds
+    -A * r = 2 e^10 and its gradient swamps every other token's; with clip_ratio_c = 3 it adds
+    -A * c = 6 and no gradient, and every other token is as before."""
+
+    def run(clip_ratio_c: float | None):
+        logp, generator, adv, mask = _inputs()
+        generator[1, 1] = LOGP[1][1] - 10.0  # r = e^10 on seq 1 token 1
+        settings = _settings("dapo", clip_ratio_c=clip_ratio_c)
+        terms = policy_loss(logp, generator, adv, mask, settings, TOTALS)
+        terms.loss.backward()
+        return terms, logp.grad
+
+    huge = 2.0 * math.exp(10.0)
+    free, free_grad = run(None)
+    assert free.loss.item() == pytest.approx((-1.28 - 0.7 + 1.6 + huge + 2.0) / 5, rel=1e-6)
+    assert free_grad[1, 1].item() == pytest.approx(huge / 5, rel=1e-6)
+    others = free_grad.clone()
+    others[1, 1] = 0.0
+    assert free_grad[1, 1].item() > 1000 * others.abs().max().item()  # one token dominates
+
+    bounded, bounded_grad = run(3.0)
+    assert bounded.loss.item() == pytest.approx((-1.28 - 0.7 + 1.6 + 2.0 * 3.0 + 2.0) / 5)
+    assert bounded_grad[1, 1].item() == 0.0
+    assert torch.equal(bounded_grad, others)  # the other tokens' gradients are untouched
+    assert bounded.clipped_tokens.item() == CLIPPED + 1  # the bounded token counts as clipped
+    assert free.clipped_tokens.item() == CLIPPED
+
+
+def test_dual_clip_leaves_positive_advantages_and_moderate_ratios_alone():
+    logp, generator, adv, mask = _inputs()
+    # Every ratio in RATIOS is below 3 and seq 0 has A > 0: the bound changes nothing.
+    with_bound = policy_loss(logp, generator, adv, mask, _settings("dapo"), TOTALS)
+    without = policy_loss(logp, generator, adv, mask, _settings("dapo", clip_ratio_c=None), TOTALS)
+    assert with_bound.loss.item() == without.loss.item()
+    generator[0, 0] = LOGP[0][0] - 10.0  # huge ratio on an A > 0 token: the PPO clip caps it
+    capped = policy_loss(logp, generator, adv, mask, _settings("dapo"), TOTALS)
+    assert capped.loss.item() == pytest.approx(with_bound.loss.item(), abs=1e-6)

@@ -13,7 +13,7 @@ import torch
 from podrl.trainer.engine import TrainNotAllowedError
 from podrl.trainer.servicer import TrainerServicer
 from podrl.v1 import trainer_pb2
-from podrl.weights.trainer_commands import TrainerWeightSync
+from podrl.weights.trainer_weight_sync import TrainerWeightSync
 
 
 def _engine() -> SimpleNamespace:

@@ -20,6 +20,9 @@ def test_defaults_are_a_single_cpu_rank():
         ({"PODRL_TRAINER__LOSS_MODE": "ppo"}, "trainer.loss_mode"),
         ({"PODRL_TRAINER__CLIP_EPS_LOW": "1.5"}, "trainer.clip_eps_low"),
         ({"PODRL_TRAINER__TIS_CAP": "-1"}, "trainer.tis_cap"),
+        ({"PODRL_TRAINER__CLIP_RATIO_C": "1.0"}, "trainer.clip_ratio_c: .*must be > 1"),
+        ({"PODRL_TRAINER__CLIP_RATIO_C": "-3"}, "trainer.clip_ratio_c: .*must be > 1"),
+        ({"PODRL_TRAINER__CHECKPOINT_KEEP_LATEST": "-1"}, "trainer.checkpoint_keep_latest"),
         (
             {"PODRL_TRAINER__LR_SCHEDULE": "cosine", "PODRL_TRAINER__WARMUP_STEPS": "2000"},
             "trainer.warmup_steps",
@@ -27,5 +30,11 @@ def test_defaults_are_a_single_cpu_rank():
     ],
 )
 def test_bad_values_name_the_field(env, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=field.replace("trainer.", r"trainer\.")):
         load_config(None, env)
+
+
+def test_dual_clip_is_on_by_default_and_zero_turns_it_off():
+    assert load_config(None, {}).trainer.clip_ratio_c == 3.0
+    assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "0"}).trainer.clip_ratio_c is None
+    assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "2.5"}).trainer.clip_ratio_c == 2.5

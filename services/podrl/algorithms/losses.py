@@ -8,6 +8,7 @@ Notation, for sequence ``b`` and completion token ``t`` (prompt and padding toke
     A_b       the sequence's group-relative advantage (``podrl.algorithms.advantages``)
     r_bt      = exp(logp_bt - mu_bt), the importance ratio against the generator
     pg_bt     = -min(r_bt * A_b, clip(r_bt, 1 - eps_low, 1 + eps_high) * A_b)
+    pg_bt     = min(pg_bt, -A_b * c)          if A_b < 0 (dual clip, c = clip_ratio_c > 1)
     kl_bt     = exp(ref_bt - logp_bt) - (ref_bt - logp_bt) - 1     (k3 estimator of KL(pi||ref))
     l_bt      = pg_bt + beta * kl_bt                                 (beta = kl_coef)
 
@@ -28,6 +29,12 @@ The reductions over a batch of B sequences with n_b completion tokens each
     dr_grpo   L = (1/(B * L_max)) * sum_b sum_t m_bt * l_bt        (constant normaliser: no
                                                                     length bias; L_max is the
                                                                     generation budget)
+
+The dual clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL"; verl's
+``clip_ratio_c``, default 3) bounds what one token with a negative advantage can add: the PPO
+clip only caps the ratio from above for ``A > 0``, so a token whose trainer/generator ratio is
+huge (stale weights, a bf16 generator, a different kernel) would otherwise add ``-A * r`` and
+dominate the batch. Bounded tokens get no gradient; ``clip_ratio_c = None`` turns it off.
 
 DAPO's asymmetric clip is ``eps_high > eps_low`` (the paper uses 0.2 / 0.28); Dr. GRPO also
 drops the std normalisation of the advantages (``normalize_std=False`` on the controller side).
@@ -56,6 +63,7 @@ class LossSettings:
     kl_coef: float = 0.0
     tis_cap: float | None = None
     dr_grpo_max_tokens: int = 1024
+    clip_ratio_c: float | None = 3.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,10 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(low, high) * adv
     pg_tokens = -torch.minimum(unclipped, clipped)
+    negative = adv < 0
+    if settings.clip_ratio_c is not None:
+        bound = -adv * settings.clip_ratio_c
+        pg_tokens = torch.where(negative, torch.minimum(pg_tokens, bound), pg_tokens)
     if is_weight is not None:
         pg_tokens = pg_tokens * is_weight
     weights = token_weights(mask, settings, totals)
@@ -144,7 +156,9 @@ def policy_loss(
         kl = torch.zeros((), dtype=torch.float32, device=logprobs.device)
         loss = pg_loss
     with torch.no_grad():
-        is_clipped = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
+        is_clipped = ((adv > 0) & (ratio > high)) | (negative & (ratio < low))
+        if settings.clip_ratio_c is not None:
+            is_clipped = is_clipped | (negative & (ratio > settings.clip_ratio_c))
         ratio_sum = (ratio.detach() * mask).sum()
         clipped_tokens = (is_clipped.to(torch.float32) * mask).sum()
         tokens = mask.sum()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from podrl.config.base import ServiceSection
 
@@ -97,6 +97,12 @@ class TrainerConfig(ServiceSection):
         description="PPO clip above: ratios over 1 + clip_eps_high are clipped "
         "(DAPO's clip-higher uses 0.28).",
     )
+    clip_ratio_c: float | None = Field(
+        3.0,
+        description="Dual clip for negative advantages (as verl): a token with A < 0 adds at "
+        "most -A * clip_ratio_c to the loss however large its ratio; must be > 1; null or 0 "
+        "= no dual clip.",
+    )
     dr_grpo_max_tokens: int = Field(
         1024,
         ge=1,
@@ -130,6 +136,12 @@ class TrainerConfig(ServiceSection):
         description="Where SaveCheckpoint writes when the request names no path; unset "
         "= <run_dir>/checkpoints.",
     )
+    checkpoint_keep_latest: int = Field(
+        3,
+        ge=0,
+        description="Keep this many of the latest checkpoints SaveCheckpoint wrote under "
+        "checkpoint_dir (by step; older ones are deleted after each save); 0 = keep all.",
+    )
     export_dir: Path | None = Field(
         None,
         description="Where ExportHF writes when the request names no path; unset = "
@@ -140,6 +152,18 @@ class TrainerConfig(ServiceSection):
     def world_size(self) -> int:
         """Number of trainer ranks (processes)."""
         return self.dp_shard * self.tp
+
+    @field_validator("clip_ratio_c")
+    @classmethod
+    def _check_clip_ratio_c(cls, value: float | None) -> float | None:
+        if value is None or value == 0:
+            return None
+        if not value > 1:
+            raise ValueError(
+                f"must be > 1 (verl's default is 3.0), or null/0 to turn the dual clip off; "
+                f"got {value}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_warmup(self) -> TrainerConfig:

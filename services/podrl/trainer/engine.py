@@ -1,7 +1,7 @@
 """TrainerEngine: the policy model, its optimizer and schedule, the step and policy version.
 
 One engine lives on every trainer rank; rank 0 validates requests and drives the others through
-the rank command loop (``podrl.trainer.rank_commands``), every rank then calls the same engine
+the rank command loop (``podrl.trainer.rank_command_loop``), every rank then calls the same engine
 method with the same arguments.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
 from podrl.algorithms.losses import LossSettings, policy_loss
+from podrl.common import faults
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, export
 from podrl.trainer.batch import (
@@ -52,6 +55,41 @@ class TrainNotAllowedError(RuntimeError):
     (→ FAILED_PRECONDITION)."""
 
 
+class StepAbortedError(RuntimeError):
+    """A rank failed before the optimizer step, so no rank stepped: weights, optimizer state,
+    schedule and policy version are unchanged on every rank (→ ABORTED: the batch may be sent
+    again)."""
+
+
+@dataclass(frozen=True)
+class AppliedTrain:
+    """The last Train this engine applied: its ``TrainRequest.batch_id`` ("" if it had none)
+    and its reply, kept so that a retry of the same batch is answered without a second step."""
+
+    batch_id: str
+    response: trainer_pb2.TrainResponse
+
+
+def _metrics(
+    values: dict[str, float], diff_max: torch.Tensor, grad_norm: float, lr: float
+) -> trainer_pb2.TrainMetrics:
+    """The step's TrainMetrics from the batch-wide sums of ``_SUMS`` (step_seconds unset)."""
+    tokens = max(values["tokens"], 1.0)
+    return trainer_pb2.TrainMetrics(
+        loss=values["loss"],
+        pg_loss=values["pg_loss"],
+        kl=values["kl"],
+        entropy=values["entropy"] / tokens,
+        ratio_mean=values["ratio"] / tokens,
+        clip_fraction=values["clipped"] / tokens,
+        grad_norm=grad_norm,
+        logprob_diff_mean=values["logprob_diff"] / tokens,
+        logprob_diff_max=float(diff_max.item()),
+        tokens=int(values["tokens"]),
+        learning_rate=lr,
+    )
+
+
 class TrainerEngine:
     """See the module docstring. Build it on every rank with the same config."""
 
@@ -61,6 +99,16 @@ class TrainerEngine:
         self.env = env or RankEnv.from_environ()
         self.device = resolve_device(config, self.env)
         self.mesh: DeviceMesh = init_distributed(config, self.env, self.device)
+        # The ranks' vote before the optimizer step (``_agree``): CPU bytes on a group of its
+        # own, waiting longer than a model collective so a rank stuck in one still gets here.
+        self._agreement_group = (
+            dist.new_group(
+                backend="gloo",
+                timeout=timedelta(seconds=2 * self.settings.collective_timeout_seconds),
+            )
+            if self.env.world_size > 1
+            else None
+        )
         torch.manual_seed(self.settings.seed)
         # Every rank resolves it; the tiny default is written atomically by whichever is first.
         self.model_path = resolve_model_path(config)
@@ -101,9 +149,11 @@ class TrainerEngine:
             kl_coef=self.settings.kl_coef,
             tis_cap=self.settings.tis_cap,
             dr_grpo_max_tokens=self.settings.dr_grpo_max_tokens,
+            clip_ratio_c=self.settings.clip_ratio_c,
         )
         self.step = 0
         self.policy_version = 0
+        self.last_train: AppliedTrain | None = None
         # Checks that may refuse a step before any rank starts it (e.g. weights published from
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
         self.train_gates: list[Callable[[], None]] = []
@@ -159,10 +209,72 @@ class TrainerEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
-        """One optimizer step on the whole batch (every rank, same request) → metrics."""
+        """One optimizer step on the whole batch (every rank, same request) → metrics.
+
+        All or nothing over every rank of the trainer's world:
+
+        1. every rank computes its gradients and metric sums (no step yet);
+        2. the ranks agree (:meth:`_agree`) that all of them did; if one failed, no rank steps,
+           gradients are dropped and :class:`StepAbortedError` is raised on every rank;
+        3. every collective of the step (metric sums, the global gradient norm) runs, and the
+           ranks agree once more;
+        4. ``optimizer.step``, ``scheduler.step`` and the version bump run together, with no
+           collective between them: the step is now applied on every rank. A failure in the
+           bookkeeping after it is logged and does not undo or hide the applied step.
+        """
         started = time.monotonic()
+        version = self.policy_version
+        lr = self.learning_rate
         # A failed earlier attempt may have left gradients behind: never add them to this step.
         self.optimizer.zero_grad(set_to_none=True)
+        failure: BaseException | None = None
+        try:
+            sums, diff_max = self._forward_backward(request)
+        except Exception as err:  # reported through the agreement, then raised on every rank
+            failure = err
+        self._agree(failure, version, "computing its gradients")
+        try:
+            dp_group = self.mesh["dp_shard"].get_group()
+            if self.dp_size > 1:
+                dist.all_reduce(sums, group=dp_group)
+                dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
+            grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
+            faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
+        except Exception as err:
+            failure = err
+        self._agree(failure, version, "reducing metrics and gradients")
+        metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), diff_max, grad_norm, lr)
+        # The commit: from here to the version bump nothing may fail between ranks.
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.policy_version += 1
+        response = trainer_pb2.TrainResponse(
+            metrics=metrics, policy_version=self.policy_version, step=self.step
+        )
+        try:
+            faults.hit(
+                "trainer.after_optimizer_step", rank=self.env.rank, version=self.policy_version
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+        except Exception:
+            # The weights are those of the new version on every rank: report the step as
+            # applied (the controller must not train on this batch again).
+            log.exception(
+                "rank %d: error after the optimizer step of version %d (the step is applied)",
+                self.env.rank,
+                self.policy_version,
+            )
+        response.metrics.step_seconds = time.monotonic() - started
+        self.last_train = AppliedTrain(request.batch_id, response)
+        return response
+
+    def _forward_backward(
+        self, request: trainer_pb2.TrainRequest
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's forward and backward passes over its share of the batch: gradients
+        accumulate in the parameters; the metric sums ``_SUMS`` and the largest logprob gap of
+        this rank are returned (not yet reduced over ranks)."""
         sequences = list(request.sequences)
         totals = batch_totals(sequences)
         micro_batches = split_for_rank(
@@ -171,7 +283,6 @@ class TrainerEngine:
         self.model.train()
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         diff_max = torch.zeros(1, dtype=torch.float64, device=self.device)
-        lr = self.learning_rate
         for index, part in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             self.model.set_requires_gradient_sync(last)
@@ -210,35 +321,36 @@ class TrainerEngine:
                 ).to(torch.float64)
                 diff_max = torch.maximum(diff_max, diff.max().to(torch.float64).reshape(1))
             del logprobs, log_probs, terms
-        grad_norm = clip_grad_norm(self.model.parameters(), self.settings.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        return sums, diff_max
+
+    def _agree(self, failure: BaseException | None, version: int, phase: str) -> None:
+        """Every rank: go on only if no rank failed ``phase``; otherwise drop the gradients and
+        raise StepAbortedError on every rank (nothing was stepped).
+
+        The vote travels over the engine's own gloo group, apart from the model's collectives:
+        a rank that failed inside one of those still meets the others here once they time out.
+        """
+        failed = torch.zeros(self.env.world_size, dtype=torch.int32)
+        failed[self.env.rank] = int(failure is not None)
+        if self._agreement_group is not None:
+            dist.all_reduce(failed, group=self._agreement_group)
+        ranks = [rank for rank, bad in enumerate(failed.tolist()) if bad]
+        if not ranks:
+            return
         self.optimizer.zero_grad(set_to_none=True)
-        dp_group = self.mesh["dp_shard"].get_group()
-        if self.dp_size > 1:
-            dist.all_reduce(sums, group=dp_group)
-            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
-        self.step += 1
-        self.policy_version += 1
-        values = dict(zip(_SUMS, sums.tolist(), strict=True))
-        tokens = max(values["tokens"], 1.0)
-        metrics = trainer_pb2.TrainMetrics(
-            loss=values["loss"],
-            pg_loss=values["pg_loss"],
-            kl=values["kl"],
-            entropy=values["entropy"] / tokens,
-            ratio_mean=values["ratio"] / tokens,
-            clip_fraction=values["clipped"] / tokens,
-            grad_norm=float(grad_norm),
-            logprob_diff_mean=values["logprob_diff"] / tokens,
-            logprob_diff_max=float(diff_max.item()),
-            tokens=int(values["tokens"]),
-            learning_rate=lr,
-            step_seconds=time.monotonic() - started,
-        )
-        return trainer_pb2.TrainResponse(
-            metrics=metrics, policy_version=self.policy_version, step=self.step
-        )
+        if failure is not None:
+            log.error(
+                "rank %d failed %s for version %d",
+                self.env.rank,
+                phase,
+                version + 1,
+                exc_info=failure,
+            )
+        own = f" (rank {self.env.rank}: {type(failure).__name__}: {failure})" if failure else ""
+        raise StepAbortedError(
+            f"trainer rank(s) {ranks} failed {phase}{own}; no rank stepped, the weights, the "
+            f"optimizer and policy version {version} are unchanged on every rank"
+        ) from failure
 
     # -- checkpoints and export ----------------------------------------------------------------
 
@@ -247,7 +359,10 @@ class TrainerEngine:
 
     def load_checkpoint(self, path: Path) -> bytes:
         """Restore everything saved at ``path``; the controller's blob."""
-        return checkpoint.load(self, Path(path))
+        blob = checkpoint.load(self, Path(path))
+        # The stored reply belongs to weights that are gone: a batch resent now trains again.
+        self.last_train = None
+        return blob
 
     def export_hf(self, path: Path) -> list[str]:
         """Write a Hugging Face safetensors folder (rank 0 writes; every rank must call)."""

@@ -1,7 +1,7 @@
 """gRPC Trainer service (rank 0). Each RPC that changes or reads sharded state runs on every
 rank through the rank command loop; validation happens here first, so a bad request never
 reaches the other ranks. PublishWeights/AcknowledgeWeights run the weight-transfer layer's
-commands (``podrl.weights.trainer_commands``)."""
+commands (``podrl.weights.trainer_weight_sync``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from google.protobuf.message import Message
 
 import podrl
 from podrl.config import RunConfig
-from podrl.trainer import checkpoint, commands
+from podrl.trainer import checkpoint, command_table
 from podrl.trainer.batch import BatchError
-from podrl.trainer.engine import TrainerEngine, TrainNotAllowedError
-from podrl.trainer.rank_commands import CommandLoop, RankCommandError
+from podrl.trainer.engine import StepAbortedError, TrainerEngine, TrainNotAllowedError
+from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,47 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Train(
         self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainResponse:
+        # Under the lock: a retry of a running Train waits for it and then gets its reply, and
+        # no PublishWeights/AcknowledgeWeights lands between the gate check and the step.
         with self._lock:
+            applied = self._engine.last_train
+            if request.batch_id and applied is not None and applied.batch_id == request.batch_id:
+                log.info(
+                    "batch %r was trained already (version %d): answering its stored reply",
+                    request.batch_id,
+                    applied.response.policy_version,
+                )
+                stored = trainer_pb2.TrainResponse()
+                stored.CopyFrom(applied.response)
+                return stored
             try:
                 self._engine.validate(request)
             except BatchError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
             except TrainNotAllowedError as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            payload = self._run(commands.TRAIN, request, context)
-        reply = trainer_pb2.TrainResponse.FromString(payload)
+            try:
+                payloads = self._loop.run(command_table.TRAIN, request.SerializeToString())
+            except RankCommandError as err:
+                log.error("%s", err)
+                # Every rank refused the step alike: nothing changed, the batch may come again.
+                aborted = all(e.startswith(StepAbortedError.__name__) for e in err.errors.values())
+                code = grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL
+                context.abort(code, str(err))
+        replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
+        reply = replies[0]
+        positions = [(r.step, r.policy_version) for r in replies]
+        if len(set(positions)) > 1:
+            detail = ", ".join(
+                f"rank {rank} at step {step} version {version}"
+                for rank, (step, version) in enumerate(positions)
+            )
+            log.error("trainer ranks disagree after Train: %s", detail)
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"trainer ranks disagree after Train ({detail}); restart the trainer from its "
+                "last checkpoint",
+            )
         m = reply.metrics
         log.info(
             "step %d (version %d): loss %.5f kl %.5f entropy %.4f grad_norm %.4f tokens %d",
@@ -70,15 +102,25 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
-        path = request.path or str(
-            self._default_dir(self._config.trainer.checkpoint_dir, "checkpoints")
-            / f"step-{self._engine.step:08d}"
-        )
-        resolved = trainer_pb2.SaveCheckpointRequest(
-            path=str(Path(path).absolute()), controller_state=request.controller_state
-        )
+        directory = self._default_dir(self._config.trainer.checkpoint_dir, "checkpoints")
         with self._lock:
-            reply = self._run(commands.SAVE_CHECKPOINT, resolved, context)
+            path = (
+                Path(request.path)
+                if request.path
+                else directory / checkpoint.step_folder_name(self._engine.step)
+            ).absolute()
+            resolved = trainer_pb2.SaveCheckpointRequest(
+                path=str(path), controller_state=request.controller_state
+            )
+            reply = self._run(command_table.SAVE_CHECKPOINT, resolved, context)
+            if not request.path:  # retention covers the folders the trainer names itself
+                removed = checkpoint.prune(
+                    directory.absolute(),
+                    self._config.trainer.checkpoint_keep_latest,
+                    keep_path=path,
+                )
+                if removed:
+                    log.info("checkpoint retention removed %s", [str(r) for r in removed])
         return trainer_pb2.SaveCheckpointResponse.FromString(reply)
 
     def LoadCheckpoint(
@@ -95,7 +137,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
         resolved = trainer_pb2.LoadCheckpointRequest(path=str(path))
         with self._lock:
-            reply = self._run(commands.LOAD_CHECKPOINT, resolved, context)
+            reply = self._run(command_table.LOAD_CHECKPOINT, resolved, context)
         return trainer_pb2.LoadCheckpointResponse.FromString(reply)
 
     def ExportHF(
@@ -107,18 +149,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
         resolved = trainer_pb2.ExportHFRequest(path=str(Path(path).absolute()))
         with self._lock:
-            reply = self._run(commands.EXPORT_HF, resolved, context)
+            reply = self._run(command_table.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
 
-    # -- weight publishing (podrl.weights.trainer_commands) ------------------------------------
+    # -- weight publishing (podrl.weights.trainer_weight_sync) ------------------------------------
 
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
-        from podrl.weights.trainer_commands import PUBLISH_WEIGHTS
+        from podrl.weights.trainer_weight_sync import PUBLISH_WEIGHTS
 
         try:
-            reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
+            with self._lock:  # never between a Train's gate check and its step (B10)
+                reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
         except RankCommandError as err:
             # Every rank refuses alike while the previous version is unacknowledged.
             pending = any(e.startswith("PublishError") for e in err.errors.values())
@@ -129,15 +172,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def AcknowledgeWeights(
         self, request: trainer_pb2.AcknowledgeWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.AcknowledgeWeightsResponse:
-        from podrl.weights.trainer_commands import ACKNOWLEDGE_WEIGHTS
+        from podrl.weights.trainer_weight_sync import ACKNOWLEDGE_WEIGHTS
 
-        self._run(ACKNOWLEDGE_WEIGHTS, request, context)
+        with self._lock:
+            self._run(ACKNOWLEDGE_WEIGHTS, request, context)
         return trainer_pb2.AcknowledgeWeightsResponse()
 
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerInfo:
         engine = self._engine
+        applied = engine.last_train  # one attribute: batch id and reply always belong together
         return trainer_pb2.TrainerInfo(
             info=common_pb2.ServiceInfo(
                 service="podrl.v1.Trainer",
@@ -158,4 +203,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 dim_names=list(engine.mesh.mesh_dim_names),
                 device_type=engine.device.type,
             ),
+            last_batch_id=applied.batch_id if applied is not None else "",
+            last_train=applied.response if applied is not None else None,
         )

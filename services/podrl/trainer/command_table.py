@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from podrl.trainer.engine import TrainerEngine
-from podrl.trainer.rank_commands import CommandLoop
+from podrl.trainer.rank_command_loop import CommandLoop
 from podrl.v1 import trainer_pb2
 
 TRAIN = "train"
@@ -54,7 +54,7 @@ def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
     """Every command of the trainer, registered identically on every rank."""
     register_builtin_commands(loop, engine)
     # Weight publishing (owned by podrl.weights): every rank publishes its own shards.
-    from podrl.weights.trainer_commands import register_weight_commands
+    from podrl.weights.trainer_weight_sync import register_weight_commands
 
     register_weight_commands(
         loop, engine, rank=engine.env.rank, publisher_id=engine.config.worker_id
