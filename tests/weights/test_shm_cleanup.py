@@ -76,7 +76,7 @@ def test_segments_reaped_after_kill_9(tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as error:
         receiver.apply(manifest)
     assert error.value.kind is ManifestErrorKind.STORAGE
-    assert receiver.version is None
+    assert receiver.fingerprint is None
 
 
 @pytest.mark.slow
@@ -101,3 +101,74 @@ def test_segments_of_live_processes_are_kept() -> None:
     finally:
         segment.unlink()
     assert segment.name not in list_segments(os.getpid())
+
+
+def _unreadable_proc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """/proc/<pid>/stat cannot be read (no /proc in the container, or a restricted one)."""
+    from podrl.weights import shm
+
+    empty = tmp_path / "proc"
+    empty.mkdir()
+    monkeypatch.setattr(shm, "PROC_DIR", empty)
+
+
+def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """B12: the start time used to be encoded as 0, so every liveness check failed: the live
+    segment was reaped and its manifest refused as STORAGE."""
+    from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
+    from podrl.weights.shm import creator_alive, reap_orphaned_segments
+
+    _unreadable_proc(monkeypatch, tmp_path)
+    params = _expected_params()
+    publisher = WeightPublisher(lambda: params)
+    try:
+        manifest = publish_single_process(publisher, ManifestAssembler("trainer-0"), 1)
+        names = {shard.storage.shm.name for shard in manifest.shards}
+        assert all("-unknown-" in name for name in names), names
+        assert all(creator_alive(name) for name in names)
+        reap_orphaned_segments()
+        assert names <= set(list_segments(os.getpid()))
+        receiver = WeightReceiver(ModelDescription.from_hf_config(CONFIG))
+        copied = dict(receiver.apply(manifest))
+        assert all(torch.equal(copied[name], params[name]) for name in params)
+        receiver.close()
+        assert names <= set(list_segments(os.getpid()))
+    finally:
+        publisher.close()
+
+
+def test_reader_that_cannot_read_the_start_time_goes_by_the_pid(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from podrl.weights.shm import SharedSegment, creator_alive, reap_orphaned_segments
+
+    segment = SharedSegment(4096)  # its name carries this process's real start time
+    try:
+        assert "-unknown-" not in segment.name
+        _unreadable_proc(monkeypatch, tmp_path)
+        assert creator_alive(segment.name)
+        reap_orphaned_segments()
+        assert segment.name in list_segments(os.getpid())
+    finally:
+        segment.unlink()
+
+
+def test_segment_of_a_dead_creator_with_unknown_start_time_is_reaped(tmp_path: Path) -> None:
+    from podrl.weights.shm import creator_alive, reap_orphaned_segments
+
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(finished.stdout)
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    name = f"podrl-w-{dead_pid}-unknown-0123456789ab"
+    (shm_dir / name).write_bytes(b"\0" * 64)
+    assert not creator_alive(name)
+    assert reap_orphaned_segments(shm_dir) == [name]
+    assert not (shm_dir / name).exists()

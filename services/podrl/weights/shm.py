@@ -8,6 +8,11 @@ when they close: it unlinks every podrl segment whose creator (pid *and* start t
 pid does not keep garbage alive) no longer runs. That needs one PID namespace for trainer and
 generator, which the pod has anyway (``shareProcessNamespace: true``; CUDA IPC needs it too).
 
+Where ``/proc/<pid>/stat`` cannot be read, the start time is unknown, never guessed: the
+creator writes ``unknown`` in the name, and a reader that cannot read a creator's start time
+goes by the pid alone. Such a segment counts as alive while its pid runs (a reused pid may
+then keep it until that process ends); it is never reaped or refused on a guess.
+
 Readers map segments read-only, so a generator can never write into the trainer's memory.
 """
 
@@ -27,41 +32,67 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "podrl-w-"
-_NAME_RE = re.compile(r"^podrl-w-(\d+)-(\d+)-[0-9a-f]+$")
+UNKNOWN_START = "unknown"
+_NAME_RE = re.compile(rf"^podrl-w-(\d+)-(\d+|{UNKNOWN_START})-[0-9a-f]+$")
+PROC_DIR = Path("/proc")
 # Tensors inside a segment start at multiples of this (cache line; any dtype is aligned).
 ALIGNMENT = 64
 
 
 def _process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat); None
+    when it cannot be read (process gone, /proc missing or restricted)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        stat = (PROC_DIR / str(pid) / "stat").read_text()
+    except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after its last ")".
     fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19])
 
 
+def _pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists in this PID namespace (no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def segment_name(pid: int | None = None) -> str:
     """A fresh segment name owned by ``pid`` (default: this process)."""
     pid = os.getpid() if pid is None else pid
-    start = _process_start_time(pid) or 0
-    return f"{SEGMENT_PREFIX}{pid}-{start}-{secrets.token_hex(6)}"
+    start = _process_start_time(pid)
+    start_field = UNKNOWN_START if start is None else str(start)
+    return f"{SEGMENT_PREFIX}{pid}-{start_field}-{secrets.token_hex(6)}"
 
 
-def segment_creator(name: str) -> tuple[int, int] | None:
-    """(pid, start time) encoded in a podrl segment name, or None for other names."""
+def segment_creator(name: str) -> tuple[int, int | None] | None:
+    """(pid, start time or None where the creator could not read it) encoded in a podrl
+    segment name, or None for other names."""
     match = _NAME_RE.match(name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    if match is None:
+        return None
+    start = match.group(2)
+    return int(match.group(1)), None if start == UNKNOWN_START else int(start)
 
 
 def creator_alive(name: str) -> bool:
+    """Whether the process that created segment ``name`` still runs: same pid and start time;
+    by the pid alone where either start time is unknown."""
     creator = segment_creator(name)
     if creator is None:
         return False
     pid, start = creator
-    return _process_start_time(pid) == start
+    if not _pid_running(pid):
+        return False
+    running_start = _process_start_time(pid)
+    if start is None or running_start is None:
+        return True
+    return running_start == start
 
 
 def reap_orphaned_segments(shm_dir: Path = SHM_DIR) -> list[str]:
