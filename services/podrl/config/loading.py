@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from podrl.config.coupling import CoupledFieldsError
 from podrl.config.models import RunConfig
 
 ENV_PREFIX = "PODRL_"
@@ -58,6 +59,10 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for problem in err.errors():
+        cause = problem.get("ctx", {}).get("error")
+        if isinstance(cause, CoupledFieldsError):  # two sections disagree: the rule says why
+            lines.extend(f"  {coupled}" for coupled in cause.problems)
+            continue
         field = ".".join(str(part) for part in problem["loc"]) or "<root>"
         env_name = ENV_PREFIX + ENV_NESTING.join(str(p).upper() for p in problem["loc"])
         got = problem.get("input")

@@ -5,7 +5,10 @@ the same file and uses its own section. Any field can be overridden from the env
 ``PODRL_<SECTION>__<FIELD>`` (e.g. ``PODRL_GENERATOR__GRPC_PORT=6000``), which is how the local
 launcher, docker-compose and the Helm chart assign ports and addresses.
 
-Each section lives in its own module (``podrl.config.<section>``).
+Each section lives in its own module (``podrl.config.<section>``). Knobs of different sections
+that must agree (sampling vs logprobs, loss normalisers vs the generation budget, the schedule vs
+the run length, prompt + completion vs the model length) are derived or checked once, here, by
+``podrl.config.coupling`` (rules: docs/config.md).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from podrl.config.base import Section, ServiceSection
 from podrl.config.controller import ControllerConfig
+from podrl.config.coupling import apply_coupling_rules
 from podrl.config.generator import GeneratorConfig
 from podrl.config.grader import GraderConfig
 from podrl.config.loop import LoopConfig, SamplingConfig
@@ -62,3 +66,10 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+
+    @model_validator(mode="after")
+    def _couple_sections(self) -> RunConfig:
+        # Derives unset dependent fields in place, or raises CoupledFieldsError (a ValueError,
+        # so pydantic reports it as a validation error) naming both fields of each conflict.
+        apply_coupling_rules(self)
+        return self

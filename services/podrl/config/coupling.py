@@ -1,0 +1,271 @@
+"""Knobs of different sections that must agree, checked once when the run config loads.
+
+``RunConfig``'s model validator calls :func:`apply_coupling_rules`. Each rule either **derives**
+the dependent field, when the config leaves that field unset (pydantic's ``model_fields_set``:
+neither the YAML file nor a ``PODRL_*`` variable named it), or **refuses** the config, when both
+fields are set and disagree, with a message that names both fields and the fix. All refusals of
+one config are reported together. The table of rules is docs/config.md.
+
+The rules:
+
+* sampling vs logprobs (the importance ratio of the PPO/GRPO loss divides the trainer's
+  probability of each sampled token by the generator's, so both must describe the distribution
+  the token was drawn from):
+
+  * ``loop.sampling.temperature`` 0 (greedy) is refused: the completions of a group are
+    identical, so every group has zero reward variance and nothing trains;
+  * ``loop.sampling.top_p`` < 1 or ``top_k`` > 0 is refused: the trainer computes untruncated
+    probabilities, so no logprobs mode describes truncated sampling;
+  * ``loop.sampling.temperature`` ≠ 1 needs ``generator.logprobs_mode: processed_logprobs``
+    (the generator then reports logprobs of the tempered distribution); derived when unset,
+    refused when ``raw_logprobs`` is set;
+  * ``trainer.logit_temperature`` must be the temperature of the logprobs the generator
+    reports: the sampling temperature under ``processed_logprobs``, 1 under ``raw_logprobs``;
+    derived when unset, refused when set otherwise.
+
+* ``trainer.dr_grpo_max_tokens`` follows ``loop.sampling.max_tokens`` when unset; with
+  ``trainer.loss_mode: dr_grpo`` a different value is refused.
+* ``trainer.loss_mode: dr_grpo`` does not normalise advantages by the group's std:
+  ``loop.normalize_advantages_std`` is derived False when unset and refused when set True.
+* With a decaying ``trainer.lr_schedule`` (linear, cosine) and ``loop.steps`` > 0,
+  ``trainer.total_steps`` follows ``loop.steps`` when unset (refused when
+  ``trainer.warmup_steps`` does not end before it) and a different value is refused.
+* Every task's longest prompt plus ``loop.sampling.max_tokens`` must fit in
+  ``generator.max_model_len`` (vLLM silently stops a completion at the model length, below its
+  budget). See :func:`prompt_token_bound` for how the longest prompt is bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from podrl.config.models import RunConfig
+    from podrl.config.tasks import TaskConfig
+
+PROMPT_SPECIAL_TOKENS = 4
+"""Tokens a tokenizer may add to a prompt besides its text (BOS, a SentencePiece word prefix)."""
+
+UNKNOWN_PROMPT_MIN_TOKENS = 1
+"""The prompt length assumed for sources whose prompts are unknown at load time: vLLM needs at
+least one prompt token, so ``max_tokens`` must leave room for it."""
+
+
+@dataclass(frozen=True)
+class CouplingProblem:
+    """Two fields that disagree, and what to do about it."""
+
+    fields: tuple[str, str]
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.fields[0]} / {self.fields[1]}: {self.message}"
+
+
+class CoupledFieldsError(ValueError):
+    """One or more pairs of fields of different sections disagree (raised inside validation)."""
+
+    def __init__(self, problems: list[CouplingProblem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(str(problem) for problem in problems))
+
+
+def apply_coupling_rules(config: RunConfig) -> None:
+    """Derive the unset dependent fields of ``config`` in place, or raise CoupledFieldsError
+    listing every pair of set fields that disagree."""
+    problems: list[CouplingProblem] = []
+    _sampling_and_logprobs(config, problems)
+    _dr_grpo(config, problems)
+    _schedule_length(config, problems)
+    _model_length(config, problems)
+    if problems:
+        raise CoupledFieldsError(problems)
+
+
+def _is_set(section: object, field: str) -> bool:
+    return field in section.model_fields_set  # type: ignore[attr-defined]
+
+
+def _sampling_and_logprobs(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    sampling, generator, trainer = config.loop.sampling, config.generator, config.trainer
+    temperature = sampling.temperature
+    if temperature == 0:
+        problems.append(
+            CouplingProblem(
+                ("loop.sampling.temperature", "loop.sampling.n"),
+                f"temperature 0 is greedy decoding: the {sampling.n} completions of a prompt "
+                "are identical, every group has zero reward variance and is dropped, so "
+                "nothing trains; set loop.sampling.temperature above 0 (1 samples the policy "
+                "itself)",
+            )
+        )
+        return
+    truncated = [
+        text
+        for text, on in (
+            (f"loop.sampling.top_p {sampling.top_p} < 1", sampling.top_p < 1),
+            (f"loop.sampling.top_k {sampling.top_k} > 0", sampling.top_k > 0),
+        )
+        if on
+    ]
+    if truncated:
+        problems.append(
+            CouplingProblem(
+                (
+                    "loop.sampling.top_p" if sampling.top_p < 1 else "loop.sampling.top_k",
+                    "trainer.logit_temperature",
+                ),
+                f"{' and '.join(truncated)} truncates the sampling distribution, but the "
+                "trainer's logprobs (log_softmax of logits / trainer.logit_temperature) are "
+                "untruncated, so the importance ratio would not describe the distribution the "
+                "samples were drawn from; set loop.sampling.top_p: 1 and loop.sampling.top_k: 0",
+            )
+        )
+    if not math.isclose(temperature, 1.0):
+        if not _is_set(generator, "logprobs_mode"):
+            generator.logprobs_mode = "processed_logprobs"
+        elif generator.logprobs_mode == "raw_logprobs":
+            problems.append(
+                CouplingProblem(
+                    ("generator.logprobs_mode", "loop.sampling.temperature"),
+                    f"raw_logprobs reports untempered logprobs, but the samples are drawn at "
+                    f"temperature {temperature}; set generator.logprobs_mode: "
+                    "processed_logprobs (or leave it unset; trainer.logit_temperature then "
+                    "follows the temperature), or loop.sampling.temperature: 1",
+                )
+            )
+            return
+    reported = temperature if generator.logprobs_mode == "processed_logprobs" else 1.0
+    if not _is_set(trainer, "logit_temperature"):
+        if trainer.logit_temperature != reported:
+            trainer.logit_temperature = reported
+    elif not math.isclose(trainer.logit_temperature, reported):
+        problems.append(
+            CouplingProblem(
+                ("trainer.logit_temperature", "loop.sampling.temperature"),
+                f"the trainer divides logits by {trainer.logit_temperature}, but the generator "
+                f"reports logprobs at temperature {reported} (generator.logprobs_mode "
+                f"{generator.logprobs_mode}, loop.sampling.temperature {temperature}); leave "
+                f"trainer.logit_temperature unset or set it to {reported}",
+            )
+        )
+
+
+def _dr_grpo(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    trainer, loop = config.trainer, config.loop
+    budget = loop.sampling.max_tokens
+    if not _is_set(trainer, "dr_grpo_max_tokens"):
+        if trainer.dr_grpo_max_tokens != budget:
+            trainer.dr_grpo_max_tokens = budget
+    elif trainer.loss_mode == "dr_grpo" and trainer.dr_grpo_max_tokens != budget:
+        problems.append(
+            CouplingProblem(
+                ("trainer.dr_grpo_max_tokens", "loop.sampling.max_tokens"),
+                f"Dr. GRPO divides the token sum by batch size x the generation budget, but "
+                f"trainer.dr_grpo_max_tokens is {trainer.dr_grpo_max_tokens} and "
+                f"loop.sampling.max_tokens is {budget}; leave trainer.dr_grpo_max_tokens unset "
+                f"(it follows loop.sampling.max_tokens) or set it to {budget}",
+            )
+        )
+    if trainer.loss_mode != "dr_grpo":
+        return
+    if not _is_set(loop, "normalize_advantages_std"):
+        loop.normalize_advantages_std = False
+    elif loop.normalize_advantages_std:
+        problems.append(
+            CouplingProblem(
+                ("trainer.loss_mode", "loop.normalize_advantages_std"),
+                "Dr. GRPO uses unnormalised advantages (reward minus the group mean), but "
+                "loop.normalize_advantages_std is true; set it to false (or leave it unset), "
+                "or pick trainer.loss_mode grpo or dapo",
+            )
+        )
+
+
+def _schedule_length(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    trainer, steps = config.trainer, config.loop.steps
+    if trainer.lr_schedule == "constant":
+        return
+    if steps > 0 and not _is_set(trainer, "total_steps"):
+        if trainer.warmup_steps >= steps:
+            problems.append(
+                CouplingProblem(
+                    ("trainer.warmup_steps", "loop.steps"),
+                    f"the {trainer.lr_schedule} schedule decays over loop.steps ({steps}) "
+                    f"steps, but trainer.warmup_steps ({trainer.warmup_steps}) does not end "
+                    "before it; lower trainer.warmup_steps or raise loop.steps",
+                )
+            )
+            return
+        if trainer.total_steps != steps:
+            trainer.total_steps = steps
+    elif steps > 0 and trainer.total_steps != steps:
+        problems.append(
+            CouplingProblem(
+                ("trainer.total_steps", "loop.steps"),
+                f"the {trainer.lr_schedule} schedule decays over trainer.total_steps "
+                f"({trainer.total_steps}) steps, but the run has loop.steps ({steps}); leave "
+                f"trainer.total_steps unset (it follows loop.steps) or set it to {steps}",
+            )
+        )
+    # warmup_steps < total_steps itself is the trainer section's own check (config/trainer.py).
+
+
+def _model_length(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    budget, limit = config.loop.sampling.max_tokens, config.generator.max_model_len
+    for index, task in enumerate(config.tasks.definitions):
+        bound = prompt_token_bound(task)
+        known = bound is not None
+        prompt = bound if known else UNKNOWN_PROMPT_MIN_TOKENS
+        if prompt + budget <= limit:
+            continue
+        what = (
+            f"the longest prompt of task {task.name!r} (tasks.definitions[{index}]) takes up "
+            f"to {prompt} tokens"
+            if known
+            else f"task {task.name!r} (tasks.definitions[{index}]) needs at least "
+            f"{prompt} prompt token"
+        )
+        problems.append(
+            CouplingProblem(
+                ("loop.sampling.max_tokens", "generator.max_model_len"),
+                f"{what}, and with loop.sampling.max_tokens ({budget}) that exceeds "
+                f"generator.max_model_len ({limit}): completions would stop short of their "
+                f"budget; raise generator.max_model_len to at least {prompt + budget} (within "
+                "the model's context length) or lower loop.sampling.max_tokens",
+            )
+        )
+
+
+def prompt_token_bound(task: TaskConfig) -> int | None:
+    """An upper bound on the tokens of ``task``'s longest prompt, or None when its prompts are
+    not known at load time (reasoning-gym and JSON-lines sources).
+
+    For procedural sources the longest prompt is rendered through the task's own template
+    (operands at ``max_value``, strings of ``max_length`` of the alphabet's widest character).
+    Its UTF-8 bytes bound its tokens for byte-level BPE and character tokenizers (no token is
+    shorter than one byte), plus :data:`PROMPT_SPECIAL_TOKENS` for markers a tokenizer adds.
+    """
+    from podrl.config.tasks import ProceduralSourceConfig
+
+    source = task.source
+    if not isinstance(source, ProceduralSourceConfig):
+        return None
+    # Imported here: podrl.tasks imports podrl.config.
+    from podrl.tasks.procedural import ProceduralRecords
+    from podrl.tasks.task_stream import TaskStream
+    from podrl.tasks.templates import TemplateError
+
+    widest = max(source.alphabet, key=lambda char: len(char.encode()))
+    longest = source.model_copy(
+        update={"min_value": source.max_value, "min_length": source.max_length, "alphabet": widest}
+    )
+    try:
+        prompt = TaskStream(task, ProceduralRecords(longest, 0), "tasks").item(0).prompt
+    except (TemplateError, ImportError):
+        # A template that cannot render is reported by the task source with its field; a Jinja
+        # template needs jinja2, which only the controller's image must have.
+        return None
+    return len(prompt.encode()) + PROMPT_SPECIAL_TOKENS

@@ -1,0 +1,225 @@
+"""Knobs of different sections are derived or refused once, at load (podrl.config.coupling).
+
+One test per rule of docs/config.md, each with the accepted (or derived) case and the refused
+case; a refusal must name both fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from podrl.config import ConfigError, load_config
+from podrl.config.coupling import PROMPT_SPECIAL_TOKENS, prompt_token_bound
+from podrl.config.models import RunConfig
+from podrl.config.tasks import TaskConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+COPY_TASK: dict[str, Any] = {
+    "name": "copy",
+    "source": {"kind": "procedural", "generator": "copy", "max_length": 3, "alphabet": "abc"},
+    "template": "{question}",
+    "rewards": [{"name": "exact_match"}],
+}
+
+
+def _load(tmp_path: Path, data: dict[str, Any]) -> RunConfig:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path, env={})
+
+
+def _refused(tmp_path: Path, data: dict[str, Any], *fields: str) -> str:
+    """Load ``data``, expect a ConfigError, and check it names every one of ``fields``."""
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, data)
+    message = str(err.value)
+    for field in fields:
+        assert field in message, (field, message)
+    return message
+
+
+def _sampling(**values: Any) -> dict[str, Any]:
+    return {"loop": {"sampling": values}}
+
+
+def test_every_example_config_loads() -> None:
+    examples = sorted((REPO / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path, env={})
+
+
+def test_greedy_sampling_is_refused(tmp_path: Path) -> None:
+    assert _load(tmp_path, _sampling(temperature=1.0)).loop.sampling.temperature == 1.0
+    _refused(tmp_path, _sampling(temperature=0.0), "loop.sampling.temperature", "loop.sampling.n")
+
+
+def test_top_p_and_top_k_truncation_is_refused(tmp_path: Path) -> None:
+    for disabled in (0, -1):
+        assert _load(tmp_path, _sampling(top_p=1.0, top_k=disabled)).loop.sampling.top_k == disabled
+    _refused(tmp_path, _sampling(top_p=0.9), "loop.sampling.top_p", "trainer.logit_temperature")
+    _refused(tmp_path, _sampling(top_k=20), "loop.sampling.top_k", "trainer.logit_temperature")
+
+
+def test_a_sampling_temperature_makes_the_generator_report_tempered_logprobs(
+    tmp_path: Path,
+) -> None:
+    default = _load(tmp_path, {})
+    assert default.generator.logprobs_mode == "raw_logprobs"
+    assert default.trainer.logit_temperature == 1.0
+    tempered = _load(tmp_path, _sampling(temperature=0.7))
+    assert tempered.generator.logprobs_mode == "processed_logprobs"
+    assert tempered.trainer.logit_temperature == 0.7
+    _refused(
+        tmp_path,
+        {**_sampling(temperature=0.7), "generator": {"logprobs_mode": "raw_logprobs"}},
+        "generator.logprobs_mode",
+        "loop.sampling.temperature",
+    )
+
+
+def test_the_trainer_logit_temperature_matches_the_reported_logprobs(tmp_path: Path) -> None:
+    same = {**_sampling(temperature=0.7), "trainer": {"logit_temperature": 0.7}}
+    assert _load(tmp_path, same).trainer.logit_temperature == 0.7
+    processed = {"generator": {"logprobs_mode": "processed_logprobs"}}
+    assert _load(tmp_path, processed).trainer.logit_temperature == 1.0
+    _refused(
+        tmp_path,
+        {**_sampling(temperature=0.7), "trainer": {"logit_temperature": 1.0}},
+        "trainer.logit_temperature",
+        "loop.sampling.temperature",
+    )
+    # Raw logprobs are untempered: a trainer dividing logits by 2 compares other distributions.
+    _refused(
+        tmp_path,
+        {"trainer": {"logit_temperature": 2.0}},
+        "trainer.logit_temperature",
+        "loop.sampling.temperature",
+    )
+
+
+def test_dr_grpo_max_tokens_follows_the_generation_budget(tmp_path: Path) -> None:
+    assert _load(tmp_path, _sampling(max_tokens=48)).trainer.dr_grpo_max_tokens == 48
+    dr_grpo = {"trainer": {"loss_mode": "dr_grpo", "dr_grpo_max_tokens": 48}}
+    assert _load(tmp_path, {**dr_grpo, **_sampling(max_tokens=48)}).trainer.dr_grpo_max_tokens == 48
+    # Unused by the other losses: a stale value there is harmless and kept.
+    grpo = {"trainer": {"loss_mode": "grpo", "dr_grpo_max_tokens": 1024}}
+    assert _load(tmp_path, {**grpo, **_sampling(max_tokens=48)}).trainer.dr_grpo_max_tokens == 1024
+    _refused(
+        tmp_path,
+        {
+            "trainer": {"loss_mode": "dr_grpo", "dr_grpo_max_tokens": 1024},
+            **_sampling(max_tokens=48),
+        },
+        "trainer.dr_grpo_max_tokens",
+        "loop.sampling.max_tokens",
+    )
+
+
+def test_dr_grpo_does_not_normalise_advantages_by_std(tmp_path: Path) -> None:
+    assert _load(tmp_path, {}).loop.normalize_advantages_std is True
+    dr_grpo = {"trainer": {"loss_mode": "dr_grpo"}}
+    assert _load(tmp_path, dr_grpo).loop.normalize_advantages_std is False
+    explicit = {**dr_grpo, "loop": {"normalize_advantages_std": False}}
+    assert _load(tmp_path, explicit).loop.normalize_advantages_std is False
+    _refused(
+        tmp_path,
+        {**dr_grpo, "loop": {"normalize_advantages_std": True}},
+        "trainer.loss_mode",
+        "loop.normalize_advantages_std",
+    )
+
+
+def test_a_decaying_schedule_spans_the_run(tmp_path: Path) -> None:
+    cosine = {"lr_schedule": "cosine", "warmup_steps": 10}
+    assert _load(tmp_path, {"trainer": cosine, "loop": {"steps": 200}}).trainer.total_steps == 200
+    explicit = {"trainer": {**cosine, "total_steps": 200}, "loop": {"steps": 200}}
+    assert _load(tmp_path, explicit).trainer.total_steps == 200
+    # Without a loop (steps 0) there is nothing to follow: the trainer's own default stays.
+    assert _load(tmp_path, {"trainer": cosine}).trainer.total_steps == 1000
+    # The constant schedule never reads total_steps.
+    constant = {"trainer": {"total_steps": 1000}, "loop": {"steps": 200}}
+    assert _load(tmp_path, constant).trainer.total_steps == 1000
+    _refused(
+        tmp_path,
+        {"trainer": {**cosine, "total_steps": 1000}, "loop": {"steps": 200}},
+        "trainer.total_steps",
+        "loop.steps",
+    )
+    _refused(
+        tmp_path,
+        {"trainer": {**cosine, "warmup_steps": 300}, "loop": {"steps": 200}},
+        "trainer.warmup_steps",
+        "loop.steps",
+    )
+    # The trainer section's own warmup check runs first, against the default total_steps.
+    _refused(
+        tmp_path,
+        {"trainer": {**cosine, "warmup_steps": 1500}, "loop": {"steps": 5000}},
+        "trainer.warmup_steps",
+        "trainer.total_steps",
+    )
+
+
+def test_prompt_and_completion_fit_in_the_model_length(tmp_path: Path) -> None:
+    # "copy:abc=" is 9 bytes: 9 + PROMPT_SPECIAL_TOKENS + max_tokens must be <= max_model_len.
+    budget = 16 - 9 - PROMPT_SPECIAL_TOKENS
+    fits = {"tasks": {"definitions": [COPY_TASK]}, "generator": {"max_model_len": 16}}
+    assert _load(tmp_path, {**fits, **_sampling(max_tokens=budget)}).generator.max_model_len == 16
+    message = _refused(
+        tmp_path,
+        {**fits, **_sampling(max_tokens=budget + 1)},
+        "loop.sampling.max_tokens",
+        "generator.max_model_len",
+    )
+    assert "'copy'" in message
+    # Prompts of the default reasoning-gym task are unknown at load: one prompt token at least.
+    assert _load(tmp_path, _sampling(max_tokens=1023)).loop.sampling.max_tokens == 1023
+    _refused(
+        tmp_path, _sampling(max_tokens=1024), "loop.sampling.max_tokens", "generator.max_model_len"
+    )
+
+
+def test_the_prompt_bound_covers_every_prompt_the_task_draws() -> None:
+    from podrl.models.char_tokenizer import build_char_tokenizer
+    from podrl.tasks.factory import build_records
+    from podrl.tasks.task_stream import TaskStream
+
+    tokenizer = build_char_tokenizer()
+    for source, template in (
+        ({"kind": "procedural", "generator": "add", "max_value": 999}, "{question}"),
+        ({"kind": "procedural", "generator": "reverse", "max_length": 5}, "Reverse {text}: "),
+    ):
+        task = TaskConfig.model_validate(
+            {**COPY_TASK, "source": source, "template": template, "name": "t"}
+        )
+        bound = prompt_token_bound(task)
+        assert bound is not None
+        stream = TaskStream(task, build_records(task, 0, "t"), "t")
+        prompts = [stream.item(i).prompt for i in range(300)]
+        tokens = max(len(tokenizer(prompt)["input_ids"]) for prompt in prompts)
+        # The bound is the longest prompt's bytes plus the allowance for special tokens.
+        assert bound == max(len(p.encode()) for p in prompts) + PROMPT_SPECIAL_TOKENS
+        assert tokens <= bound
+    wide = TaskConfig.model_validate(
+        {**COPY_TASK, "source": {**COPY_TASK["source"], "alphabet": "aé"}}
+    )
+    assert prompt_token_bound(wide) == len("copy:ééé=".encode()) + PROMPT_SPECIAL_TOKENS
+    unknown = TaskConfig.model_validate(
+        {**COPY_TASK, "source": {"kind": "jsonl", "path": "missing.jsonl"}}
+    )
+    assert prompt_token_bound(unknown) is None
+
+
+def test_every_refusal_of_a_config_is_reported_at_once(tmp_path: Path) -> None:
+    data = {
+        "trainer": {"loss_mode": "dr_grpo"},
+        "loop": {"normalize_advantages_std": True, "sampling": {"max_tokens": 16}},
+        "generator": {"max_model_len": 16},
+    }
+    _refused(tmp_path, data, "loop.normalize_advantages_std", "generator.max_model_len")
