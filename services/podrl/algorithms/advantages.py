@@ -8,8 +8,14 @@ For one prompt with G sampled completions and rewards r_1..r_G:
     A_i   = r_i - mean                                   otherwise (Dr. GRPO)
 
 A group whose rewards are all equal (std <= zero_variance_tol) carries no learning signal (every
-A_i is 0): it is dropped, its completions are not sent to the trainer. DAPO's "dynamic sampling"
-is the same filter; a group of one completion is dropped for the same reason.
+A_i is 0): it is dropped, its completions are not sent to the trainer; a group of fewer than two
+completions is dropped for the same reason. Dropped groups are not replaced, so the batch
+shrinks, down to nothing (the step then trains nothing). This is only the filtering half of
+DAPO's "dynamic sampling": DAPO also samples more prompts until the batch is full again, which
+podrl does not do.
+
+The rewards given here must be real ones: the controller leaves samples whose scoring failed
+out before calling this (``podrl.controller.batch``).
 """
 
 from __future__ import annotations

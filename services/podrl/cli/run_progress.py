@@ -25,6 +25,19 @@ def _status(cluster: LocalCluster) -> dict[str, Any] | None:
         return None
 
 
+def fetch_all_steps(rest_url: str, page: int = 1000) -> list[dict[str, Any]]:
+    """Every step of the run from ``/v1/steps``, page by page (one page holds ``page`` steps)."""
+    steps: list[dict[str, Any]] = []
+    while True:
+        since = steps[-1]["step"] if steps else 0
+        batch = httpx.get(
+            f"{rest_url}/v1/steps", params={"since": since, "limit": page}, timeout=10
+        ).json()
+        steps.extend(batch)
+        if len(batch) < page:
+            return steps
+
+
 def follow_run(
     cluster: LocalCluster, config: RunConfig, stop: threading.Event, console: Console
 ) -> int:
@@ -59,14 +72,16 @@ def follow_run(
     if status is None or status["phase"] not in END_PHASES:
         console.print("interrupted: the controller checkpoints before it stops")
         return 0
-    steps = httpx.get(f"{cluster.rest_url}/v1/steps", timeout=10).json()
+    steps = fetch_all_steps(cluster.rest_url)
+    # A step whose reward is unknown (recovered after a crash) is a gap in the curve, not a 0.
+    measured = [s for s in steps if s["metrics"].get("reward_mean") is not None]
     summary_path = config.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    png = plot_reward_curve(steps, config.run_dir / "reward_curve.png", f"podrl {config.name}")
+    png = plot_reward_curve(measured, config.run_dir / "reward_curve.png", f"podrl {config.name}")
     table = Table(title=f"run {config.name}: {status['phase']}", show_header=False)
     for key in (
-        "steps", "policy_version", "initial_reward_mean", "final_reward_mean", "reward_gain",
-        "tokens_generated", "wall_seconds",
+        "steps", "steps_trained", "policy_version", "initial_reward_mean", "final_reward_mean",
+        "reward_gain", "score_errors", "dropped_samples", "tokens_generated", "wall_seconds",
     ):  # fmt: skip
         value = summary.get(key)
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from podrl.config.base import Section
 
@@ -19,13 +19,16 @@ class SamplingConfig(Section):
 
 
 class LoopConfig(Section):
-    """The synchronous GRPO loop (ARCHITECTURE.md §2): generate → score → advantages → train →
+    """The synchronous GRPO loop (docs/controller.md): generate → score → advantages → train →
     publish/apply weights → record."""
 
     steps: int = Field(
         0,
         ge=0,
-        description="Optimizer steps to run; 0 = no loop (the controller only tracks members).",
+        description="Steps to run, each one draw of prompts_per_step prompts. A step counts "
+        "whether it trained (the policy version advanced) or not (every group was dropped: no "
+        "reward variance, or too few validly scored samples), so the policy version at the end "
+        "can be below this number. 0 = no loop (the controller only tracks members).",
     )
     prompts_per_step: int = Field(16, ge=1, description="Prompts drawn per step.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -40,8 +43,26 @@ class LoopConfig(Section):
         ge=1,
         description="A step whose generate or score phase fails (or whose Train fails with the "
         "trainer's version unchanged) is retried from scratch with the same prompts, nothing "
-        "half-done kept, this many times; a failed weight sync is retried on its own as often. "
-        "Then the run stops as failed.",
+        "half-done kept, this many times; a Train whose outcome is unknown (lost reply, "
+        "timeout) is re-sent with the same batch as often; a failed weight sync is retried on "
+        "its own as often. Then the run stops as failed.",
+    )
+    max_score_error_rate: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Largest fraction of a step's samples whose scoring may fail (the reward "
+        "raised, timed out, its worker died, unknown task). Failed samples are never trained on; "
+        "above this fraction the step attempt fails with the reward's own error message (and is "
+        "retried as any failed attempt). A step in which every sample failed scoring always "
+        "fails, whatever this value.",
+    )
+    min_valid_samples_per_group: int = Field(
+        2,
+        ge=2,
+        description="A prompt's group is trained on only if at least this many of its samples "
+        "were scored without error (advantages need at least two rewards to compare); otherwise "
+        "the whole group is dropped. At most sampling.n.",
     )
     sample_seed: int | None = Field(
         None, description="Base seed for sampling (step s uses seed + s); None = unseeded."
@@ -49,3 +70,12 @@ class LoopConfig(Section):
     workers_timeout_seconds: float = Field(
         600.0, gt=0, description="How long a step waits for enough healthy worker pods."
     )
+
+    @model_validator(mode="after")
+    def _check_group_minimum(self) -> LoopConfig:
+        if self.min_valid_samples_per_group > self.sampling.n:
+            raise ValueError(
+                f"loop.min_valid_samples_per_group ({self.min_valid_samples_per_group}) must be "
+                f"at most loop.sampling.n ({self.sampling.n}): no group could ever be trained"
+            )
+        return self

@@ -13,4 +13,23 @@ POLICY_VERSION = Gauge("podrl_policy_version", "Policy version held by the train
 REWARD_MEAN = Gauge("podrl_reward_mean", "Mean reward of the last step's samples.")
 STEP_FAILURES = Counter("podrl_step_failures_total", "Failed step attempts, by phase.", ["phase"])
 TOKENS_GENERATED = Counter("podrl_tokens_generated_total", "Completion tokens generated.")
-SAMPLES_SCORED = Counter("podrl_samples_scored_total", "Samples scored by the grader(s).")
+SAMPLES_SCORED = Counter(
+    "podrl_samples_scored_total", "Samples scored by the grader(s), failed scores included."
+)
+SCORE_ERRORS = Counter(
+    "podrl_score_errors_total",
+    "Samples whose scoring failed (never trained on), by error.",
+    ["error"],
+)
+DROPPED_SAMPLES = Counter(
+    "podrl_dropped_samples_total",
+    "Samples left out of training because of score errors (the failed ones and the rest of "
+    "groups left with too few valid samples).",
+)
+STEP_SCORE_ERRORS = Gauge(
+    "podrl_step_score_errors", "Samples of the last step whose scoring failed."
+)
+UNKNOWN_TRAIN_METRICS = Counter(
+    "podrl_steps_unknown_train_metrics_total",
+    "Trained steps whose trainer metrics are unknown (the Train reply was lost).",
+)

@@ -12,6 +12,9 @@ import podrl
 from podrl.controller.run_store import RunStore
 from podrl.controller.status import RunState, RunStatusView, StepView, WorkerView
 
+#: SQLite integers are signed 64-bit: a larger ``since`` is a client error (422), not a 500.
+_SQLITE_INT_MAX = 2**63 - 1
+
 
 def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
     app = FastAPI(
@@ -56,9 +59,16 @@ def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
     def workers() -> list[WorkerView]:
         return state.view().workers
 
-    @app.get("/v1/steps", response_model=list[StepView], summary="Step history.")
+    @app.get(
+        "/v1/steps",
+        response_model=list[StepView],
+        summary="Step history, one page: the first `limit` steps after `since`, in order.",
+        description="A run with more steps than `limit` is read page by page: ask again with "
+        "`since` = the last step received until a page comes back shorter than `limit`. "
+        "A figure that was not measured is null.",
+    )
     def steps(
-        since: int = Query(0, ge=0, description="Only steps after this one."),
+        since: int = Query(0, ge=0, le=_SQLITE_INT_MAX, description="Only steps after this one."),
         limit: int = Query(1000, ge=1, le=100_000, description="At most this many steps."),
     ) -> list[StepView]:
         if store is None:

@@ -23,6 +23,9 @@ from podrl.v1 import common_pb2, generator_pb2, trainer_pb2, trainer_pb2_grpc, w
 
 log = logging.getLogger(__name__)
 
+#: GeneratorInfo.weight_state values of a generator that serves no settled version.
+_UNSETTLED = ("needs_full", "applying")
+
 
 class WeightSync:
     def __init__(
@@ -135,8 +138,11 @@ class WeightSync:
 
     def bring_generators_to(self, version: int) -> None:
         """Generators that do not serve ``version`` get a full manifest of it (those ahead of
-        the trainer roll back); the trainer is acknowledged in any case, so a version whose
-        acknowledgement was lost (e.g. the controller died mid-sync) cannot block it."""
+        the trainer roll back), and so do those whose weights are unsettled (``weight_state``
+        needs_full or applying: a failed or overrun apply; they refuse Generate and every
+        version-only manifest until a full one lands). The trainer is acknowledged in any case,
+        so a version whose acknowledgement was lost (e.g. the controller died mid-sync) cannot
+        block it."""
         behind: list[str] = []
         ahead: list[str] = []
         for address in self._generators():
@@ -148,10 +154,10 @@ class WeightSync:
                 raise StepFailedError(
                     "sync", f"generator {address} Info: {describe_rpc_error(err)}"
                 ) from err
-            if info.policy_version < version:
+            if info.policy_version > version:
+                ahead.append(address)  # a rollback sends a full manifest in any state
+            elif info.policy_version < version or info.weight_state in _UNSETTLED:
                 behind.append(address)
-            elif info.policy_version > version:
-                ahead.append(address)
         if behind:
             log.info("generators %s are behind version %d: full weight sync", behind, version)
             self.sync(version, force_full=True, generators=behind)

@@ -1,0 +1,165 @@
+"""From one step's samples and scores to the batch the trainer gets.
+
+Pure: no RPC, no clock. The rules (docs/controller.md, "Score errors"):
+
+- a sample whose ``ItemScore.error`` is not ``SCORE_ERROR_NONE`` never reaches the trainer and
+  its (fallback) reward is not counted in any reward figure;
+- a prompt's group keeps its validly scored samples; with fewer than
+  ``loop.min_valid_samples_per_group`` of them it is dropped whole;
+- advantages are computed over each remaining group's valid samples
+  (``podrl.algorithms.advantages``), and a group with no reward variance is dropped;
+- when more than ``loop.max_score_error_rate`` of the step's samples failed scoring, or all of
+  them did, the attempt fails (``StepFailedError`` in phase ``score``) with the reward's own
+  error message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from podrl.algorithms.advantages import batch_advantages
+from podrl.controller.step_errors import StepFailedError
+from podrl.tasks import PromptItem
+from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
+
+
+def sample_id(prompt_id: str, index: int) -> str:
+    """The id of one sample in ScoreItem, ItemScore and TrainSequence."""
+    return f"{prompt_id}#{index}"
+
+
+@dataclass
+class StepSamples:
+    """What the generate and score phases produced for one step attempt."""
+
+    items: list[PromptItem]
+    samples: dict[str, list[common_pb2.Sample]] = field(default_factory=dict)
+    """Prompt id → its group of samples."""
+    scores: dict[str, grader_pb2.ItemScore] = field(default_factory=dict)
+    """Sample id → its score."""
+
+    def score_of(self, prompt_id: str, sample: common_pb2.Sample) -> grader_pb2.ItemScore:
+        return self.scores[sample_id(prompt_id, sample.index)]
+
+    def all_samples(self) -> list[tuple[PromptItem, common_pb2.Sample]]:
+        return [(item, s) for item in self.items for s in self.samples[item.id]]
+
+
+def is_valid(score: grader_pb2.ItemScore) -> bool:
+    """The sample was scored: its reward is a real one, not the grader's fallback."""
+    return score.error == grader_pb2.SCORE_ERROR_NONE
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """The sequences to train on and the step figures derived from the scores."""
+
+    sequences: list[trainer_pb2.TrainSequence]
+    stats: dict[str, Any]
+    """Step-record figures: reward_mean / reward_max / reward_by_task over validly scored
+    samples (None when there are none), score_errors (failed samples), score_errors_by_kind,
+    dropped_samples (samples left out because of score errors: the failed ones and the valid
+    ones of groups that fell below the minimum), groups, groups_dropped (for any reason),
+    groups_dropped_score_errors, sequences_trained."""
+
+
+def check_score_errors(data: StepSamples, max_error_rate: float) -> None:
+    """Fail the attempt when too many samples failed scoring; the message carries the first
+    failure's own error (the reward's exception, the timeout, ...)."""
+    pairs = data.all_samples()
+    failed = [(item, s) for item, s in pairs if not is_valid(data.score_of(item.id, s))]
+    if not failed or (len(failed) < len(pairs) and len(failed) <= max_error_rate * len(pairs)):
+        return
+    item, sample = failed[0]
+    first = data.score_of(item.id, sample)
+    kinds = Counter(grader_pb2.ScoreError.Name(data.score_of(i.id, s).error) for i, s in failed)
+    limit = (
+        "every sample failed"
+        if len(failed) == len(pairs)
+        else f"above loop.max_score_error_rate = {max_error_rate:g}"
+    )
+    raise StepFailedError(
+        "score",
+        f"{len(failed)} of {len(pairs)} samples failed scoring ({limit}; "
+        f"{', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); first, "
+        f"{sample_id(item.id, sample.index)} (task {item.task!r}): "
+        f"{grader_pb2.ScoreError.Name(first.error)}: {first.error_message}",
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: int) -> TrainBatch:
+    """Advantages over the validly scored samples of each group, and the step's figures."""
+    valid: dict[str, list[common_pb2.Sample]] = {}
+    too_few: set[str] = set()
+    errors: Counter[str] = Counter()
+    dropped_samples = 0
+    for item in data.items:
+        group = data.samples[item.id]
+        kept = []
+        for sample in group:
+            score = data.score_of(item.id, sample)
+            if is_valid(score):
+                kept.append(sample)
+            else:
+                errors[grader_pb2.ScoreError.Name(score.error)] += 1
+        if len(kept) < min_valid_per_group:
+            too_few.add(item.id)
+            dropped_samples += len(group)
+        else:
+            dropped_samples += len(group) - len(kept)
+            valid[item.id] = kept
+    advantages = batch_advantages(
+        {pid: [data.score_of(pid, s).reward for s in group] for pid, group in valid.items()},
+        normalize_std=normalize_std,
+    )
+    sequences = []
+    for item in data.items:
+        group = advantages.get(item.id)
+        if group is None or group.dropped:
+            continue
+        for sample, advantage in zip(valid[item.id], group.advantages, strict=True):
+            sequences.append(
+                trainer_pb2.TrainSequence(
+                    sample_id=sample_id(item.id, sample.index),
+                    prompt_ids=sample.prompt_token_ids,
+                    completion_ids=sample.token_ids,
+                    generator_logprobs=sample.logprobs,
+                    advantage=advantage,
+                    policy_version=sample.policy_version,
+                )
+            )
+    rewards: list[float] = []
+    by_task: dict[str, list[float]] = {}
+    for item, sample in data.all_samples():
+        score = data.score_of(item.id, sample)
+        if is_valid(score):
+            rewards.append(score.reward)
+            by_task.setdefault(item.task, []).append(score.reward)
+    stats: dict[str, Any] = {
+        "reward_mean": _mean(rewards),
+        "reward_max": max(rewards) if rewards else None,
+        "reward_by_task": {task: sum(v) / len(v) for task, v in by_task.items()},
+        "score_errors": sum(errors.values()),
+        "score_errors_by_kind": dict(errors),
+        "dropped_samples": dropped_samples,
+        "groups": len(data.items),
+        "groups_dropped": len(too_few) + sum(g.dropped for g in advantages.values()),
+        "groups_dropped_score_errors": len(too_few),
+        "sequences_trained": len(sequences),
+    }
+    return TrainBatch(sequences, stats)
+
+
+def train_request(
+    batch: TrainBatch, policy_version: int, batch_id: str
+) -> trainer_pb2.TrainRequest:
+    """The Train call of one step attempt; re-sent unchanged when its outcome is unknown."""
+    return trainer_pb2.TrainRequest(
+        sequences=batch.sequences, policy_version=policy_version, batch_id=batch_id
+    )

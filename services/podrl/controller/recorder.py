@@ -1,0 +1,189 @@
+"""What a step leaves behind: its record in SQLite, its samples in ``samples.jsonl``, the
+Prometheus metrics, the status page, and the run's ``summary.json``.
+
+Every figure is measured or marked unknown: a figure the controller does not know (the trainer
+metrics of a step whose Train reply was lost, the rewards of a step recovered after a controller
+crash) is None, stored as JSON null, shown as "—" on the dashboard and left out of every average
+and total; it is never written as 0.0. Such a step carries ``metrics_unknown: true``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from podrl.config import RunConfig
+from podrl.controller import loop_metrics as metrics
+from podrl.controller.batch import StepSamples, TrainBatch, is_valid, sample_id
+from podrl.controller.resume import RecoveredStep
+from podrl.controller.run_outputs import SampleLog, write_summary
+from podrl.controller.run_store import RunStore, StepRecord
+from podrl.controller.status import RunState
+from podrl.controller.train_phase import TrainOutcome
+from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
+
+#: TrainMetrics fields copied into a trained step's record.
+TRAIN_METRICS = (
+    "loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm",
+    "logprob_diff_mean", "logprob_diff_max", "learning_rate",
+)  # fmt: skip
+
+#: Step figures that come from the samples and their scores (unknown for a recovered step).
+SAMPLE_FIGURES = (
+    "reward_mean", "reward_max", "reward_by_task", "score_errors", "score_errors_by_kind",
+    "dropped_samples", "groups", "groups_dropped", "groups_dropped_score_errors",
+    "sequences_trained", "tokens_generated",
+)  # fmt: skip
+
+
+def train_figures(reply: trainer_pb2.TrainResponse | None) -> dict[str, float | None]:
+    """The trainer's metrics of a step, each None when ``reply`` is None (not known)."""
+    if reply is None:
+        return dict.fromkeys(TRAIN_METRICS)
+    return {name: getattr(reply.metrics, name) for name in TRAIN_METRICS}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+class StepRecorder:
+    def __init__(self, config: RunConfig, state: RunState, store: RunStore) -> None:
+        self.config = config
+        self.state = state
+        self.store = store
+        self.samples = SampleLog(config.run_dir)
+        self._started = time.monotonic()
+
+    def write_samples(self, step: int, data: StepSamples, trained_ids: set[str]) -> None:
+        """The step's samples, written once its Train is applied (or when it trains nothing),
+        so a crash before the step record leaves them for the recovered step. A sample whose
+        scoring failed has ``reward: null`` and its error."""
+
+        def row(item: Any, sample: common_pb2.Sample) -> dict[str, Any]:
+            score = data.score_of(item.id, sample)
+            valid = is_valid(score)
+            return {
+                "step": step,
+                "prompt_id": item.id,
+                "task": item.task,
+                "prompt": item.prompt,
+                "reference": item.reference,
+                "index": sample.index,
+                "completion": sample.text,
+                "finish_reason": common_pb2.FinishReason.Name(sample.finish_reason),
+                "policy_version": sample.policy_version,
+                "reward": score.reward if valid else None,
+                "components": dict(score.components) if valid else {},
+                "score_error": None if valid else grader_pb2.ScoreError.Name(score.error),
+                "score_error_message": None if valid else score.error_message,
+                "trained": sample_id(item.id, sample.index) in trained_ids,
+            }
+
+        self.samples.write(row(item, sample) for item, sample in data.all_samples())
+
+    def record(
+        self,
+        step: int,
+        version: int,
+        position_after: dict[str, Any],
+        data: StepSamples,
+        batch: TrainBatch,
+        outcome: TrainOutcome | None,
+        batch_id: str,
+        timings: dict[str, float],
+    ) -> StepRecord:
+        """A finished step: SQLite (which also clears the step in flight), status, metrics."""
+        tokens = sum(len(s.token_ids) for _, s in data.all_samples())
+        figures: dict[str, Any] = {
+            **batch.stats,
+            "tokens_generated": tokens,
+            "phase_seconds": timings,
+            "trained": outcome is not None,
+        }
+        if outcome is not None:
+            figures["batch_id"] = batch_id
+            figures["train_sends"] = outcome.sends
+            figures["metrics_unknown"] = not outcome.metrics_known
+            figures.update(train_figures(outcome.reply if outcome.metrics_known else None))
+        record = StepRecord(step, version, position_after, figures, time.time())
+        self.store.record_step(record)
+        self._publish(record)
+        errors = batch.stats["score_errors_by_kind"]
+        for kind, count in errors.items():
+            metrics.SCORE_ERRORS.labels(kind).inc(count)
+        metrics.STEP_SCORE_ERRORS.set(batch.stats["score_errors"])
+        metrics.DROPPED_SAMPLES.inc(batch.stats["dropped_samples"])
+        metrics.TOKENS_GENERATED.inc(tokens)
+        metrics.SAMPLES_SCORED.inc(len(data.scores))
+        return record
+
+    def record_recovered(self, recovered: RecoveredStep) -> StepRecord:
+        """A step the trainer applied while the controller that ran it died: what the trainer
+        still knows (its reply, when its last batch id names the step) is recorded; the sample
+        figures are unknown."""
+        figures: dict[str, Any] = {
+            "recovered": True,
+            "prompt_ids": recovered.prompt_ids,
+            "trained": True,
+            "batch_id": recovered.batch_id,
+            "metrics_unknown": True,
+            "phase_seconds": {},
+            **dict.fromkeys(SAMPLE_FIGURES),
+            **train_figures(recovered.train_reply),
+        }
+        record = StepRecord(
+            recovered.step,
+            recovered.policy_version,
+            recovered.position_after,
+            figures,
+            time.time(),
+        )
+        self.store.record_step(record)
+        return record
+
+    def _publish(self, record: StepRecord) -> None:
+        figures = record.metrics
+        self.state.finish_step(
+            record.step, record.policy_version, figures.get("phase_seconds") or {}, figures
+        )
+        metrics.STEPS.set(record.step)
+        metrics.POLICY_VERSION.set(record.policy_version)
+        if figures.get("reward_mean") is not None:
+            metrics.REWARD_MEAN.set(figures["reward_mean"])
+        if figures.get("trained") and figures.get("metrics_unknown"):
+            metrics.UNKNOWN_TRAIN_METRICS.inc()
+
+    def forget_steps_after(self, step: int) -> tuple[int, int]:
+        """Remove step records and sample rows after ``step``: (records, rows) removed."""
+        return self.store.forget_steps_after(step), self.samples.forget_steps_after(step)
+
+    def write_summary(self) -> None:
+        """``summary.json`` from every step in the database (any number of them). Unknown
+        figures are left out of the averages and totals."""
+        store = self.store
+        first = store.measured("reward_mean", 5, last=False)
+        final = store.measured("reward_mean", 10, last=True)
+        initial_mean, final_mean = _mean(first), _mean(final)
+        write_summary(
+            self.config.run_dir,
+            {
+                "run_name": self.config.name,
+                "steps": self.state.step,
+                "steps_trained": int(store.metric_sum("trained")),
+                "steps_with_unknown_metrics": int(store.metric_sum("metrics_unknown")),
+                "policy_version": self.state.policy_version,
+                # Averages over a few steps: one step's mean reward is noisy.
+                "initial_reward_mean": initial_mean,
+                "final_reward_mean": final_mean,
+                "reward_gain": final_mean / initial_mean
+                if final_mean is not None and initial_mean
+                else None,
+                "tokens_generated": int(store.metric_sum("tokens_generated")),
+                "score_errors": int(store.metric_sum("score_errors")),
+                "dropped_samples": int(store.metric_sum("dropped_samples")),
+                "wall_seconds": round(time.monotonic() - self._started, 2),
+                "phase": self.state.phase,
+                "error": self.state.error,
+            },
+        )
