@@ -21,9 +21,7 @@ FALLBACK = -1.0
 
 def _step(groups: dict[str, list[tuple[float, int]]], task: str = "copy") -> StepSamples:
     """One prompt per key; each sample (reward, error). Failed samples carry the fallback."""
-    data = StepSamples(
-        items=[PromptItem(pid, task, f"p {pid}", "ref", "ref\n") for pid in groups]
-    )
+    data = StepSamples(items=[PromptItem(pid, task, f"p {pid}", "ref", "ref\n") for pid in groups])
     for pid, samples in groups.items():
         data.samples[pid] = [
             common_pb2.Sample(

@@ -98,7 +98,9 @@ def test_a_step_in_flight_the_trainer_applied_is_recovered_with_its_stored_reply
     assert plan.source == "step_in_flight"
     assert (plan.last_step, plan.policy_version, plan.position) == (5, 5, {"index": 20})
     assert plan.recovered is not None and plan.recovered.step == 5
-    assert plan.recovered.train_reply is not None and plan.recovered.train_reply.metrics.loss == 0.25
+    assert (
+        plan.recovered.train_reply is not None and plan.recovered.train_reply.metrics.loss == 0.25
+    )
     assert plan.forget_after == 5
 
 
@@ -151,9 +153,7 @@ def test_after_a_checkpoint_load_without_records_its_controller_state_is_the_pos
 
 def test_a_controller_state_of_another_version_is_not_used(store: RunStore) -> None:
     with pytest.raises(ResumeError, match="policy version 5"):
-        plan_resume(
-            store, None, TrainerState(5), ControllerState(6, 4, {}), checkpoint_loaded=True
-        )
+        plan_resume(store, None, TrainerState(5), ControllerState(6, 4, {}), checkpoint_loaded=True)
 
 
 def test_a_trainer_at_version_zero_with_nothing_to_go_back_to_starts_over(

@@ -12,8 +12,9 @@ decides:
 - the trainer's ``last_batch_id`` is this batch → applied; the step records ``last_train``'s
   (measured) metrics;
 - the trainer is one version ahead and keeps no batch id ("": a trainer without the contract) →
-  applied by this request (the controller never has two batches for one version in flight); the
-  trainer metrics are recorded as unknown (null), never as 0.0;
+  applied by this request (the trainer's version is checked before the first send, and the
+  controller never has two batches for one version in flight); the trainer metrics are
+  recorded as unknown (null), never as 0.0;
 - one version ahead by another batch id → the run fails (a batch this attempt did not send was
   applied);
 - the version unchanged and the trainer answered (the call is over) → not applied: the attempt
@@ -120,10 +121,16 @@ class TrainOutcome:
 
 class TrainPhase:
     def __init__(
-        self, clients: WorkerClients, attempts: int, stop: threading.Event | None = None
+        self,
+        clients: WorkerClients,
+        attempts: int,
+        stop: threading.Event | None = None,
+        backoff_seconds: float = 2.0,
     ) -> None:
         self._clients = clients
         self._attempts = attempts
+        self._backoff = backoff_seconds
+        """The wait before re-send k is k times this (at most 10 s)."""
         self.stop = stop or threading.Event()
         """Set when the run stops: waits between re-sends end early."""
 
@@ -139,6 +146,15 @@ class TrainPhase:
         """Send ``request`` until its outcome is known; see the module docstring."""
         expected = request.policy_version
         stub = self._clients.trainer(address)
+        before = self.trainer_info(address)
+        if before is not None and before.policy_version != expected:
+            # Checked first so that "one version ahead after a failed call" can only mean
+            # that this request was applied.
+            raise RunFailedError(
+                f"trainer {address} is at policy version {before.policy_version} before this "
+                f"step's Train (expected {expected}, last batch {before.last_batch_id or 'none'})"
+                "; restart the run to resume from its records and checkpoints"
+            )
         for send in range(1, self._attempts + 1):
             try:
                 reply = stub.Train(request, timeout=self._clients.long)
@@ -176,7 +192,7 @@ class TrainPhase:
                         f"{describe_rpc_error(err)}); a restart finds out from the trainer "
                         "whether the step was applied"
                     ) from err
-                self.stop.wait(min(2.0 * send, 10.0))
+                self.stop.wait(min(self._backoff * send, 10.0))
                 continue
             return self._checked(reply, expected, send, measured=True)
         raise AssertionError("unreachable: the loop returns or raises")

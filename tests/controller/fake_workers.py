@@ -1,0 +1,229 @@
+"""Small stand-ins for one pod's trainer and generator, served over real gRPC on loopback.
+
+They keep exactly the contracts the controller relies on, and let a test inject the failures the
+controller must survive (a Train reply lost while the trainer computes, a trainer that applies a
+batch and then errors, a trainer that keeps no batch ids). The real services run in
+test_loop_e2e.py; these let the loop's decisions be tested in seconds.
+
+Trainer contract kept here (proto/podrl/v1/trainer.proto): one Train at a time; a Train whose
+batch_id equals the last applied one is answered with the stored reply and trains nothing; a
+request for another policy version than the one held is INVALID_ARGUMENT; Info (lock-free, as
+the real one) reports version, last_batch_id and last_train; LoadCheckpoint forgets the last
+batch id.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from podrl.controller.checkpoint_files import STATE_FILE
+from podrl.v1 import (
+    common_pb2,
+    generator_pb2,
+    generator_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+    weights_pb2,
+)
+
+
+@dataclass
+class TrainFault:
+    """What happens to one Train call that gets past the dedupe."""
+
+    delay_before_apply: float = 0.0
+    """Compute time: Info still shows the old version meanwhile."""
+    delay_after_apply: float = 0.0
+    """The reply is late (past the client's deadline: lost) though the batch was applied."""
+    abort_before_apply: grpc.StatusCode | None = None
+    abort_after_apply: grpc.StatusCode | None = None
+
+
+@dataclass
+class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
+    checkpoint_dir: Path
+    keeps_batch_ids: bool = True
+    version: int = 0
+    step: int = 0
+    last_batch_id: str = ""
+    last_train: trainer_pb2.TrainResponse | None = None
+    faults: list[TrainFault] = field(default_factory=list)
+    """One entry per Train call that reaches the trainer's work, in order."""
+    applied: list[trainer_pb2.TrainRequest] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)
+    """batch_id of every Train call, in arrival order."""
+    acknowledged: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _published_full: bool = False
+
+    def Train(
+        self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.TrainResponse:
+        self.received.append(request.batch_id)
+        with self._lock:
+            if self.keeps_batch_ids and request.batch_id and request.batch_id == self.last_batch_id:
+                assert self.last_train is not None
+                return self.last_train
+            fault = self.faults.pop(0) if self.faults else TrainFault()
+            time.sleep(fault.delay_before_apply)
+            if fault.abort_before_apply is not None:
+                context.abort(fault.abort_before_apply, "injected failure before the update")
+            if request.policy_version != self.version:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"TrainRequest.policy_version: the trainer holds version {self.version}",
+                )
+            self.version += 1
+            self.step += 1
+            reply = trainer_pb2.TrainResponse(
+                policy_version=self.version,
+                step=self.step,
+                metrics=trainer_pb2.TrainMetrics(
+                    loss=0.5 + len(self.applied),
+                    grad_norm=1.0,
+                    tokens=sum(len(s.completion_ids) for s in request.sequences),
+                ),
+            )
+            self.applied.append(request)
+            if self.keeps_batch_ids:
+                self.last_batch_id, self.last_train = request.batch_id, reply
+            time.sleep(fault.delay_after_apply)
+            if fault.abort_after_apply is not None:
+                context.abort(fault.abort_after_apply, "injected failure after the update")
+            return reply
+
+    def Info(
+        self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.TrainerInfo:
+        info = trainer_pb2.TrainerInfo(
+            policy_version=self.version, step=self.step, last_batch_id=self.last_batch_id
+        )
+        if self.last_train is not None:
+            info.last_train.CopyFrom(self.last_train)
+        return info
+
+    def PublishWeights(
+        self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.PublishWeightsResponse:
+        version_only = self._published_full and not request.force_full
+        self._published_full = True
+        return trainer_pb2.PublishWeightsResponse(
+            manifest=weights_pb2.WeightManifest(
+                version=self.version,
+                model_fingerprint="fake",
+                version_only=version_only,
+                publisher_id="pod-0",
+            )
+        )
+
+    def AcknowledgeWeights(
+        self, request: trainer_pb2.AcknowledgeWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.AcknowledgeWeightsResponse:
+        self.acknowledged.append(request.version)
+        return trainer_pb2.AcknowledgeWeightsResponse()
+
+    def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        path = Path(request.path or self.checkpoint_dir / f"step-{self.step:08d}")
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ".metadata").write_bytes(b"")
+        state = {
+            "step": self.step,
+            "policy_version": self.version,
+            "controller_state": base64.b64encode(request.controller_state).decode(),
+        }
+        (path / STATE_FILE).write_text(json.dumps(state))
+        return trainer_pb2.SaveCheckpointResponse(
+            path=str(path), step=self.step, policy_version=self.version
+        )
+
+    def LoadCheckpoint(
+        self, request: trainer_pb2.LoadCheckpointRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.LoadCheckpointResponse:
+        state_file = Path(request.path) / STATE_FILE
+        if not state_file.is_file():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{request.path} is no checkpoint")
+        state = json.loads(state_file.read_text())
+        with self._lock:
+            self.step, self.version = state["step"], state["policy_version"]
+            self.last_batch_id, self.last_train = "", None
+            self._published_full = False
+        return trainer_pb2.LoadCheckpointResponse(
+            step=self.step,
+            policy_version=self.version,
+            controller_state=base64.b64decode(state["controller_state"]),
+        )
+
+
+def reference_then_wrong(prompt: common_pb2.Prompt, index: int) -> str:
+    """Even samples answer right, odd ones wrong: every group has reward variance."""
+    return prompt.reference if index % 2 == 0 else "wrong"
+
+
+@dataclass
+class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
+    complete: Callable[[common_pb2.Prompt, int], str] = reference_then_wrong
+    version: int = 0
+    generated: list[str] = field(default_factory=list)
+    """Prompt ids of every Generate call, in order."""
+
+    def Generate(
+        self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.GenerateResponse:
+        samples = []
+        for prompt in request.prompts:
+            self.generated.append(prompt.id)
+            for index in range(request.sampling.n):
+                text = self.complete(prompt, index)
+                tokens = [ord(c) % 100 for c in text] or [0]
+                samples.append(
+                    common_pb2.Sample(
+                        prompt_id=prompt.id,
+                        index=index,
+                        prompt_token_ids=[ord(c) % 100 for c in prompt.text],
+                        token_ids=tokens,
+                        text=text,
+                        logprobs=[-0.5] * len(tokens),
+                        finish_reason=common_pb2.FINISH_REASON_STOP,
+                        policy_version=self.version,
+                    )
+                )
+        return generator_pb2.GenerateResponse(samples=samples)
+
+    def ApplyWeights(
+        self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.ApplyWeightsResponse:
+        self.version = request.manifest.version
+        return generator_pb2.ApplyWeightsResponse(policy_version=self.version)
+
+    def Info(
+        self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.GeneratorInfo:
+        return generator_pb2.GeneratorInfo(policy_version=self.version, weight_state="idle")
+
+
+class FakePod:
+    """A fake trainer and generator on one gRPC server (one port)."""
+
+    def __init__(self, checkpoint_dir: Path, **trainer: object) -> None:
+        self.trainer = FakeTrainer(checkpoint_dir, **trainer)  # type: ignore[arg-type]
+        self.generator = FakeGenerator()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        trainer_pb2_grpc.add_TrainerServicer_to_server(self.trainer, self.server)
+        generator_pb2_grpc.add_GeneratorServicer_to_server(self.generator, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)

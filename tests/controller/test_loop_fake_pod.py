@@ -1,0 +1,257 @@
+"""The GRPO loop end to end against one fake pod (trainer and generator stand-ins over real
+gRPC, tests/controller/fake_workers.py) and the REAL grader with real reward plug-ins.
+
+Each test runs ``GrpoLoop.run`` to its end and checks what the run left behind: the step
+records, samples.jsonl, summary.json, and what the fake trainer was asked to train.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from podrl.common.service import ServiceProcess
+from podrl.config import RunConfig
+from podrl.controller.clients import WorkerClients
+from podrl.controller.loop import GrpoLoop
+from podrl.controller.membership import MemberRegistry
+from podrl.controller.run_store import RunStore
+from podrl.controller.status import RunState
+from podrl.grader.main import build_spec as build_grader
+from podrl.tasks import build_task_source
+from podrl.v1 import common_pb2, controller_pb2
+from tests.controller.fake_workers import FakePod, TrainFault
+
+PROMPTS = 3
+GROUP = 4
+DEADLINE = 3.0  # every work RPC; the grader scores a step well within it
+REWARD = "tests.grader.faulty_rewards:behaves_by_completion"  # "RAISE" raises, else exact match
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "name": "fake-pod",
+            "run_dir": str(run_dir),
+            "worker_id": "pod-0",
+            # Nothing listens there: the grader's registration retries quietly.
+            "controller": {"grpc_port": _free_port()},
+            "grader": {"grpc_port": grader_port, "metrics_port": 0, "workers": 1},
+            "grpc": {"long_call_timeout_seconds": DEADLINE},
+            "tasks": {
+                "definitions": [
+                    {
+                        "name": "copy",
+                        "source": {"kind": "procedural", "generator": "copy"},
+                        "rewards": [{"name": REWARD}],
+                    }
+                ]
+            },
+            "loop": {
+                "steps": 3,
+                "prompts_per_step": PROMPTS,
+                "sampling": {"n": GROUP},
+                "checkpoint_every": 2,
+                "max_step_attempts": 2,
+                **loop,
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def grader_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    config = _config(tmp_path_factory.mktemp("grader"), port)
+    process = ServiceProcess(build_grader(config), config)
+    process.start()
+    yield f"127.0.0.1:{port}"
+    process.shutdown("test finished")
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[FakePod]:
+    pod = FakePod(tmp_path / "run" / "checkpoints")
+    yield pod
+    pod.stop()
+
+
+RunLoop = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def run_loop(tmp_path: Path, grader_address: str) -> RunLoop:
+    def run(pod: FakePod, **loop: Any) -> dict[str, Any]:
+        run_dir = tmp_path / "run"
+        config = _config(run_dir, int(grader_address.rsplit(":", 1)[1]), **loop)
+        registry = MemberRegistry(heartbeat_timeout_seconds=3600)
+        for component, address in (
+            (controller_pb2.COMPONENT_GENERATOR, pod.address),
+            (controller_pb2.COMPONENT_GRADER, grader_address),
+            (controller_pb2.COMPONENT_TRAINER, pod.address),
+        ):
+            registry.register("pod-0", component, address, "incarnation-1")
+        state = RunState(config.name, registry, 1, config.loop.steps)
+        store = RunStore(run_dir / "controller.sqlite")
+        clients = WorkerClients(config.grpc)
+        loop_ = GrpoLoop(config, state, store, clients, build_task_source(config.tasks))
+        loop_.train_phase._backoff = 0.05  # re-send at once: the test waits on real deadlines
+        try:
+            loop_.run(threading.Event())
+            steps = store.steps()
+        finally:
+            clients.close()
+            store.close()
+        samples_path = run_dir / "samples.jsonl"
+        return {
+            "state": state,
+            "steps": steps,
+            "samples": [json.loads(line) for line in samples_path.read_text().splitlines()]
+            if samples_path.exists()
+            else [],
+            "summary": json.loads((run_dir / "summary.json").read_text()),
+        }
+
+    return run
+
+
+def test_a_finished_run_says_finished_everywhere(pod: FakePod, run_loop: RunLoop) -> None:
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    # probe 49: the summary was written while the phase still said "checkpoint".
+    assert run["summary"]["phase"] == "finished"
+    assert run["summary"]["steps"] == run["summary"]["steps_trained"] == 3
+    assert [s.step for s in run["steps"]] == [1, 2, 3]
+    assert pod.trainer.version == pod.generator.version == 3
+    assert run["summary"]["final_reward_mean"] == pytest.approx(0.5)  # half the samples right
+
+
+def test_a_lost_train_reply_records_the_samples_of_the_applied_batch(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    """B11: the old loop regenerated the step after a Train timeout and recorded the second
+    attempt's samples, while the trainer had applied the first attempt's."""
+    pod.trainer.faults = [TrainFault(), TrainFault(delay_before_apply=DEADLINE * 1.5)]
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    assert len(pod.trainer.applied) == 3 and pod.trainer.version == 3
+    # Every prompt was generated once: step 2 was not regenerated.
+    assert len(pod.generator.generated) == len(set(pod.generator.generated)) == 3 * PROMPTS
+    step2 = run["steps"][1]
+    assert step2.metrics["train_sends"] >= 2
+    applied_ids = {s.sample_id for s in pod.trainer.applied[1].sequences}
+    recorded = {
+        f"{row['prompt_id']}#{row['index']}"
+        for row in run["samples"]
+        if row["step"] == 2 and row["trained"]
+    }
+    assert recorded == applied_ids
+    assert step2.metrics["loss"] == pytest.approx(1.5)  # the applied batch's own reply
+    assert step2.metrics["metrics_unknown"] is False
+
+
+def test_a_trainer_without_batch_ids_records_unknown_not_zero(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    """H7: the old loop stored loss = grad_norm = ... = 0.0 for a step whose reply was lost."""
+    pod.trainer.keeps_batch_ids = False
+    pod.trainer.faults = [TrainFault(), TrainFault(delay_before_apply=DEADLINE * 1.5)]
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    step2 = run["steps"][1].metrics
+    assert step2["trained"] is True and step2["metrics_unknown"] is True
+    assert step2["loss"] is None and step2["grad_norm"] is None and step2["kl"] is None
+    assert run["steps"][0].metrics["loss"] == pytest.approx(0.5)
+    assert run["summary"]["steps_with_unknown_metrics"] == 1
+
+
+def test_score_errors_are_left_out_of_training_and_counted(pod: FakePod, run_loop: RunLoop) -> None:
+    pod.generator.complete = lambda prompt, index: (
+        "RAISE" if index == 3 else (prompt.reference if index % 2 == 0 else "wrong")
+    )
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    failed = [row for row in run["samples"] if row["score_error"]]
+    assert len(failed) == 3 * PROMPTS
+    assert all(row["reward"] is None and not row["trained"] for row in failed)
+    assert all("this reward function is broken" in row["score_error_message"] for row in failed)
+    for request in pod.trainer.applied:
+        assert not [s for s in request.sequences if s.sample_id.endswith("#3")]
+        assert len(request.sequences) == PROMPTS * (GROUP - 1)
+    for step in run["steps"]:
+        assert step.metrics["score_errors"] == step.metrics["dropped_samples"] == PROMPTS
+        # Of the 3 valid samples, indices 0 and 2 are right: 2/3, not 2/4 or a fallback mean.
+        assert step.metrics["reward_mean"] == pytest.approx(2 / 3)
+    assert run["summary"]["score_errors"] == 3 * PROMPTS
+
+
+def test_a_reward_that_raises_on_every_item_fails_the_run_naming_its_error(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    """B4: the old loop trained nothing (all-equal fallback rewards) and called it finished."""
+    pod.generator.complete = lambda prompt, index: "RAISE"
+    run = run_loop(pod)
+    assert run["state"].phase == "failed"
+    error = run["state"].error
+    assert "step 1 failed 2 times" in error
+    assert "every sample failed" in error and "this reward function is broken" in error
+    assert run["summary"]["phase"] == "failed"
+    assert pod.trainer.applied == []
+
+
+def test_a_lost_database_resumes_from_the_checkpoint_state(
+    pod: FakePod, run_loop: RunLoop, tmp_path: Path
+) -> None:
+    """H8: with controller.sqlite deleted (and the last checkpoint with it), the restarted run
+    goes on from the controller state in the newest checkpoint left: no prompt twice, none
+    skipped, and samples.jsonl holds each step once."""
+    first = run_loop(pod, steps=5)  # checkpoints after steps 2, 4 and 5
+    assert first["state"].phase == "finished", first["state"].error
+    run_dir = tmp_path / "run"
+    for name in ("controller.sqlite", "controller.sqlite-wal", "controller.sqlite-shm"):
+        (run_dir / name).unlink(missing_ok=True)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000002", "step-00000004", "step-00000005"]
+    for path in (run_dir / "checkpoints" / "step-00000005").iterdir():
+        path.unlink()
+    (run_dir / "checkpoints" / "step-00000005").rmdir()
+    # The trainer restarts too (version 0, its checkpoints on disk), the generator keeps v5.
+    restarted = FakePod(run_dir / "checkpoints")
+    restarted.generator.version = pod.generator.version
+    try:
+        second = run_loop(restarted, steps=7)
+    finally:
+        restarted.stop()
+    assert second["state"].phase == "finished", second["state"].error
+    assert [s.step for s in second["steps"]] == [5, 6, 7]
+    assert restarted.trainer.version == restarted.generator.version == 4 + 3
+    steps = [row["step"] for row in second["samples"]]
+    assert steps == sorted(steps), "samples.jsonl repeats a step"
+    by_step: dict[int, list[str]] = {}
+    for row in second["samples"]:
+        if row["index"] == 0:
+            by_step.setdefault(row["step"], []).append(row["prompt_id"])
+    assert sorted(by_step) == list(range(1, 8))
+    prompts = [pid for step in sorted(by_step) for pid in by_step[step]]
+    assert prompts == [f"copy/{i}" for i in range(7 * PROMPTS)]
+    # Step 5 was redone with the prompts it had the first time.
+    assert restarted.generator.generated[:PROMPTS] == pod.generator.generated[4 * PROMPTS :]
+
+
+def test_sample_rows_say_which_version_sampled_them(pod: FakePod, run_loop: RunLoop) -> None:
+    run = run_loop(pod)
+    for row in run["samples"]:
+        assert row["policy_version"] == row["step"] - 1
+        assert row["finish_reason"] == common_pb2.FinishReason.Name(common_pb2.FINISH_REASON_STOP)
