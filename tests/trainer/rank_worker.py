@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -71,11 +72,34 @@ def _metrics(reply: trainer_pb2.TrainResponse) -> dict[str, float]:
     }
 
 
+def shard_digest(engine) -> str:
+    """sha256 of this rank's local parameter shards (names, shapes and bytes), bit for bit."""
+    digest = hashlib.sha256()
+    for name, param in engine.model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        digest.update(f"{name}{tuple(local.shape)}".encode())
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def rank_output(out: str, rank: int) -> Path:
+    """Where rank ``rank`` writes its results: ``out`` for rank 0, ``out.rank<r>`` else."""
+    return Path(out) if rank == 0 else Path(f"{out}.rank{rank}")
+
+
 def scenario(
     rank: int, world: int, port: int, env: dict[str, str], plan: list[list], out: str
 ) -> None:
-    """Run ``plan`` (a list of ["train", seed] | ["save", dir, blob] | ["load", dir] |
-    ["export", dir] | ["logits", seed]) on this rank; rank 0 writes the results to ``out``."""
+    """Run ``plan`` (a list of ["train", seed] | ["try_train", seed] | ["save", dir, blob] |
+    ["try_save", dir, blob] | ["load", dir] | ["export", dir] | ["logits", seed] |
+    ["state"] | ["faults", plan_json]) on this rank; every rank writes its results to
+    ``rank_output(out, rank)``.
+
+    ``try_*`` record ``{"error": ...}`` instead of failing the rank; ``state`` records this
+    rank's step, version and ``shard_digest``; ``faults`` replaces the process's fault plan
+    (``podrl.common.faults``)."""
+    from podrl.common import faults
+
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -93,9 +117,32 @@ def scenario(
             if kind == "train":
                 request = make_request(step[1], version=engine.policy_version)
                 results.append(_metrics(engine.train_step(request)))
+            elif kind == "try_train":
+                request = make_request(step[1], version=engine.policy_version)
+                try:
+                    results.append(_metrics(engine.train_step(request)))
+                except Exception as err:
+                    results.append({"error": f"{type(err).__name__}: {err}"})
+            elif kind == "state":
+                results.append(
+                    {
+                        "step": engine.step,
+                        "version": engine.policy_version,
+                        "digest": shard_digest(engine),
+                    }
+                )
+            elif kind == "faults":
+                faults.reset(step[1])
+                results.append(None)
             elif kind == "save":
                 engine.save_checkpoint(Path(step[1]), step[2].encode())
                 results.append(None)
+            elif kind == "try_save":
+                try:
+                    engine.save_checkpoint(Path(step[1]), step[2].encode())
+                    results.append(None)
+                except Exception as err:
+                    results.append({"error": f"{type(err).__name__}: {err}"})
             elif kind == "load":
                 blob = engine.load_checkpoint(Path(step[1]))
                 results.append(
@@ -108,8 +155,7 @@ def scenario(
                 logits = engine.logits(ids)
                 torch.save(logits.cpu(), step[2]) if rank == 0 else None
                 results.append(None)
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
+        rank_output(out, rank).write_text(json.dumps(results))
     finally:
         engine.close()
 
@@ -122,6 +168,11 @@ def free_port() -> int:
 
 def run_ranks(world: int, env: dict[str, str], plan: list[list], out: Path) -> list:
     """Run ``scenario`` on ``world`` spawned gloo ranks; rank 0's results."""
+    return run_ranks_each(world, env, plan, out)[0]
+
+
+def run_ranks_each(world: int, env: dict[str, str], plan: list[list], out: Path) -> list[list]:
+    """Run ``scenario`` on ``world`` spawned gloo ranks; every rank's results, by rank."""
     mp.start_processes(
         scenario,
         args=(world, free_port(), env, plan, str(out)),
@@ -129,4 +180,4 @@ def run_ranks(world: int, env: dict[str, str], plan: list[list], out: Path) -> l
         join=True,
         start_method="spawn",
     )
-    return json.loads(out.read_text())
+    return [json.loads(rank_output(str(out), rank).read_text()) for rank in range(world)]

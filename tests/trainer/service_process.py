@@ -19,9 +19,15 @@ from tests.trainer.rank_worker import config_env, free_port
 
 @contextmanager
 def trainer_service(
-    model_dir: Path, tmp: Path, *, dp_shard: int = 2, timeout: float = 180
+    model_dir: Path,
+    tmp: Path,
+    *,
+    dp_shard: int = 2,
+    timeout: float = 180,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], trainer_pb2_grpc.TrainerStub]]:
-    """The service with ``dp_shard`` FSDP2 ranks, SERVING; killed on exit if still running."""
+    """The service with ``dp_shard`` FSDP2 ranks, SERVING; killed on exit if still running.
+    ``extra_env`` reaches every rank (e.g. ``PODRL_FAULTS``, ``PODRL_TRAINER__*``)."""
     port = free_port()
     env = {
         **os.environ,
@@ -30,6 +36,7 @@ def trainer_service(
         "PODRL_TRAINER__METRICS_PORT": "0",
         "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),  # no controller: registration retries
         "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
     }
     log_path = tmp / "trainer.log"
     with open(log_path, "wb") as log:

@@ -1,10 +1,12 @@
 """The trainer service over real gRPC, started as `python -m podrl.trainer` with 2 FSDP ranks
 (its own launcher): bad batches get INVALID_ARGUMENT and leave the model untouched, good batches
-train, checkpoints and exports work through the RPCs, SIGTERM stops every rank cleanly."""
+train, checkpoints restore the weights and are pruned to the latest ones, exports work through
+the RPCs, SIGTERM stops every rank cleanly."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import grpc
 import psutil
@@ -14,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from transformers import AutoModelForCausalLM
 
 from podrl.algorithms.losses import BatchTotals, LossSettings, policy_loss
+from podrl.trainer import checkpoint
 from podrl.v1 import common_pb2, trainer_pb2
 from tests.trainer.rank_worker import make_request
 from tests.trainer.service_process import trainer_service
@@ -50,8 +53,15 @@ def _reference_first_loss(model_dir, request: trainer_pb2.TrainRequest) -> float
 @pytest.fixture(scope="module")
 def service(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("service")
-    with trainer_service(tiny_model, tmp, timeout=120) as (process, stub):
+    extra = {"PODRL_TRAINER__CHECKPOINT_KEEP_LATEST": "2"}
+    with trainer_service(tiny_model, tmp, timeout=120, extra_env=extra) as (process, stub):
         yield process, stub, tmp
+
+
+def _exported_weights(stub, path: Path) -> bytes:
+    """The current weights, gathered from every rank (ExportHF)."""
+    stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(path)), timeout=120)
+    return (path / "model.safetensors").read_bytes()
 
 
 def _bad_batches() -> dict[str, trainer_pb2.TrainRequest]:
@@ -116,14 +126,32 @@ def test_checkpoint_and_export_rpcs(service):
     saved = stub.SaveCheckpoint(
         trainer_pb2.SaveCheckpointRequest(controller_state=b"\x00position=7"), timeout=120
     )
-    assert saved.path.startswith(str(tmp / "checkpoints"))
+    assert saved.path == str(tmp / "checkpoints" / f"step-{saved.step:08d}")
+    saved_weights = _exported_weights(stub, tmp / "at-save")
     before = stub.Info(common_pb2.InfoRequest(), timeout=10)
     stub.Train(make_request(3, version=before.policy_version), timeout=120)
+    assert _exported_weights(stub, tmp / "trained") != saved_weights
     loaded = stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=saved.path), timeout=120)
     assert loaded.controller_state == b"\x00position=7"
     assert (loaded.step, loaded.policy_version) == (saved.step, saved.policy_version)
+    # The weights came back on every rank, not only the counters.
+    assert _exported_weights(stub, tmp / "loaded") == saved_weights
     exported = stub.ExportHF(trainer_pb2.ExportHFRequest(), timeout=120)
     assert "model.safetensors" in exported.files and "config.json" in exported.files
+
+
+def test_saves_keep_the_latest_two_and_a_resave_replaces_its_folder(service):
+    _, stub, tmp = service
+    paths = []
+    for seed in (4, 5, 6):
+        version = stub.Info(common_pb2.InfoRequest(), timeout=10).policy_version
+        stub.Train(make_request(seed, version=version), timeout=120)
+        paths.append(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120).path)
+    again = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+    assert again.path == paths[-1]  # same step, same folder, replaced whole
+    folders = sorted((tmp / "checkpoints").iterdir())
+    assert [str(f) for f in folders] == paths[-2:]  # trainer.checkpoint_keep_latest = 2
+    assert all(checkpoint.is_checkpoint(f) for f in folders)
 
 
 def test_sigterm_stops_every_rank(service):

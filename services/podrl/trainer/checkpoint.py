@@ -98,8 +98,8 @@ def save(engine: TrainerEngine, path: Path, controller_state: bytes) -> None:
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
     if rank == 0:
         try:
+            faults.hit("trainer.checkpoint_before_state", rank=rank, step=engine.step)
             _write_state(engine, partial, controller_state)
-            faults.hit("trainer.checkpoint_before_rename", rank=rank, step=engine.step)
             _replace(partial, path)
         except Exception as err:  # the others must hear of it, not wait in a barrier
             error = err
