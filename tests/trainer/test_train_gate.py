@@ -1,64 +1,149 @@
-"""A Train is refused up front (FAILED_PRECONDITION) while weights published from the live GPU
-parameters await their acknowledgement: the acknowledgement travels through the same rank
-command loop a running step would occupy, so waiting inside the step could only time out."""
+"""The Train gate through the real TrainerServicer: a real engine (1 rank), the real rank
+command loop and the real weight-publishing commands (``TrainerWeightSync`` over a real
+``WeightPublisher``), served over real gRPC in this process.
+
+On CPU the real publisher stages weights into shared memory, so it never needs the
+acknowledgement before the next step (``must_wait_before_step`` stays False; only the next
+publish waits, FAILED_PRECONDITION). The GPU publisher exports the live parameters, and the
+refusal it causes is tested with a real CUDA publisher where a GPU is present. What CPU can
+show, and does here:
+
+* the gate and the servicer: a gate that refuses makes Train FAILED_PRECONDITION and no rank
+  steps;
+* the ordering (B10): a PublishWeights sent while a Train is between its gate check and its
+  step waits for the step (it takes the same lock), so it publishes the new version.
+"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
 
-from podrl.trainer.engine import TrainNotAllowedError
+from podrl.config import RunConfig, load_config
+from podrl.trainer.command_table import register_builtin_commands
+from podrl.trainer.engine import TrainerEngine, TrainNotAllowedError
+from podrl.trainer.rank_command_loop import CommandLoop
 from podrl.trainer.servicer import TrainerServicer
-from podrl.v1 import trainer_pb2
-from podrl.weights.trainer_weight_sync import TrainerWeightSync
+from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from podrl.weights.trainer_weight_sync import TrainerWeightSync, register_weight_commands
+from tests.trainer.rank_worker import config_env, make_request
+
+# How long the gate gives a concurrent PublishWeights to (wrongly) finish before the step.
+PUBLISH_GRACE_SECONDS = 2.0
 
 
-def _engine() -> SimpleNamespace:
-    model = torch.nn.Linear(4, 4)
-    return SimpleNamespace(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        policy_version=3,
-        train_gates=[],
-    )
+@dataclass
+class Served:
+    engine: TrainerEngine
+    sync: TrainerWeightSync
+    stub: trainer_pb2_grpc.TrainerStub
 
 
-def test_the_gate_refuses_while_a_direct_publication_is_pending() -> None:
-    engine = _engine()
-    sync = TrainerWeightSync(engine, rank=0, publisher_id="pod-0")
-    assert engine.train_gates == [sync._check_can_train]
-    sync._check_can_train()  # nothing published: a step may run
-    # What a GPU publisher reports between publish and acknowledgement (CPU staging never does).
-    sync.publisher = SimpleNamespace(must_wait_before_step=True, pending_version=3)
-    with pytest.raises(TrainNotAllowedError, match=r"version 3 .* not acknowledged"):
-        sync._check_can_train()
-    sync.publisher = SimpleNamespace(must_wait_before_step=False, pending_version=None)
-    sync._check_can_train()
+def _config(tiny_model, tmp_path, device: str) -> RunConfig:
+    env = config_env(str(tiny_model), str(tmp_path))
+    env["PODRL_DEVICE"] = device
+    return load_config(None, env)
 
 
-class _AbortedError(Exception):
-    pass
+@pytest.fixture
+def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
+    device = getattr(request, "param", "cpu")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # one rank, in-process store
+    config = _config(tiny_model, tmp_path, device)
+    engine = TrainerEngine(config)
+    loop = CommandLoop()
+    register_builtin_commands(loop, engine)
+    sync = register_weight_commands(loop, engine, rank=0, publisher_id=config.worker_id)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(config, engine, loop), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Served(engine, sync, trainer_pb2_grpc.TrainerStub(channel))
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        loop.shutdown()
+        sync.close()
+        engine.close()
 
 
-class _Context:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        raise _AbortedError
+def _parameters(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in engine.model.named_parameters()}
 
 
-def test_the_servicer_answers_failed_precondition_and_runs_nothing() -> None:
-    def refuse(_request: trainer_pb2.TrainRequest) -> None:
-        raise TrainNotAllowedError("version 3 is not acknowledged")
+def test_a_refusing_gate_is_failed_precondition_and_nothing_steps(served: Served) -> None:
+    before = _parameters(served.engine)
 
-    ran: list[str] = []
-    loop = SimpleNamespace(run=lambda name, payload: ran.append(name))
-    servicer = TrainerServicer(SimpleNamespace(), SimpleNamespace(validate=refuse), loop)
-    context = _Context()
-    with pytest.raises(_AbortedError):
-        servicer.Train(trainer_pb2.TrainRequest(policy_version=3), context)
-    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "not acknowledged" in context.details
-    assert ran == [], "no rank may start a step that the gate refused"
+    def refuse() -> None:
+        raise TrainNotAllowedError("version 0 is not acknowledged (test gate)")
+
+    served.engine.train_gates.append(refuse)
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub.Train(make_request(1), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not acknowledged (test gate)" in err.value.details()
+    info = served.stub.Info(common_pb2.InfoRequest(), timeout=10)
+    assert (info.step, info.policy_version) == (0, 0)
+    after = _parameters(served.engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    served.engine.train_gates.remove(refuse)
+    assert served.stub.Train(make_request(1), timeout=60).policy_version == 1
+
+
+def test_the_cpu_publisher_never_blocks_the_next_step(served: Served) -> None:
+    served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
+    assert served.sync.publisher.pending_version == 0
+    assert not served.sync.publisher.must_wait_before_step  # the staging copy is published
+    assert served.stub.Train(make_request(1), timeout=60).policy_version == 1
+    with pytest.raises(grpc.RpcError) as err:  # the next publish is what waits for the ack
+        served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_publish_during_a_train_waits_for_its_step(served: Served) -> None:
+    published: list[trainer_pb2.PublishWeightsResponse] = []
+    done = threading.Event()
+    finished_during_gate: list[bool] = []
+
+    def publish() -> None:
+        published.append(
+            served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=120)
+        )
+        done.set()
+
+    publisher = threading.Thread(target=publish)
+
+    def gate_that_lets_a_publish_in() -> None:
+        # Runs after the real gate passed, before the step: a publish landing now would
+        # (on a GPU) leave the step waiting for an ack that cannot come.
+        publisher.start()
+        finished_during_gate.append(done.wait(PUBLISH_GRACE_SECONDS))
+
+    served.engine.train_gates.append(gate_that_lets_a_publish_in)
+    reply = served.stub.Train(make_request(1), timeout=120)
+    publisher.join(timeout=120)
+    assert finished_during_gate == [False], "PublishWeights ran between the gate and the step"
+    assert reply.policy_version == 1
+    assert published[0].manifest.version == 1  # published after the step, not before it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct publisher needs CUDA")
+@pytest.mark.parametrize("served", ["cuda"], indirect=True)
+def test_a_gpu_publication_refuses_train_until_acknowledged(served: Served) -> None:
+    served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
+    assert served.sync.publisher.must_wait_before_step  # live parameters are published
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub.Train(make_request(1), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "version 0 was published from the live GPU parameters" in err.value.details()
+    assert served.stub.Info(common_pb2.InfoRequest(), timeout=10).policy_version == 0
+    served.stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=30)
+    assert served.stub.Train(make_request(1), timeout=60).policy_version == 1

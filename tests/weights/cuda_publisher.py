@@ -25,7 +25,8 @@ def main(out_dir: str) -> None:
         if version == 2:
             while not (out / "ack-1").exists():
                 time.sleep(0.02)
-            assert not publisher.must_wait_before_step or publisher.pending_version == 1
+            # Published from the live GPU tensors: the step must wait for the ack.
+            assert publisher.must_wait_before_step and publisher.pending_version == 1
             publisher.acknowledge(1)
             for tensor in params.values():
                 tensor.add_(1.0)  # the optimizer step, in place

@@ -48,11 +48,16 @@ def test_publish_apply_acknowledge_train_publish(trainer) -> None:
     )
     assert all(torch.equal(t, want[n]) for n, t in tp_rank1.apply(first))
 
-    # The trainer may not overwrite the published staging copy before the acknowledgement.
+    # On CPU the step may run before the acknowledgement: it leaves the staging copy alone.
+    assert stub.Train(make_request(1), timeout=120).policy_version == 1
+    fresh = WeightReceiver(description, trusted_publisher_id=info.info.worker_id)
+    assert all(torch.equal(t, initial[n]) for n, t in fresh.apply(first))
+    # The next publish would overwrite the staging copy: refused until the acknowledgement.
     with pytest.raises(grpc.RpcError) as error:
-        stub.Train(make_request(1), timeout=120)
         stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "version 0 is not acknowledged" in error.value.details()
+    fresh.close()
     stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=30)
 
     second = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60).manifest
