@@ -47,7 +47,11 @@ def served_run(tmp_path: Path) -> Iterator[str]:
             "kl": 0.01 * step,
             "entropy": 3.0 - 0.2 * step,
             "phase_seconds": {"generate": 0.5, "score": 0.1, "train": 1.0, "sync": 0.05},
+            "score_errors": step % 3,
+            "dropped_samples": 2 * (step % 3),
         }
+        if step == 7:  # its Train reply was lost: the trainer metrics are unknown
+            metrics.update(loss=None, pg_loss=None, metrics_unknown=True)
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, metrics["phase_seconds"], metrics)
     state.set_phase("generate")
@@ -98,10 +102,14 @@ def test_dashboard_renders_status_charts_and_workers(served_run: str, tmp_path: 
     assert text_of("phase") == "generate"
     assert text_of("reward-latest") == "0.700"
     assert text_of("healthy-pods") == "1"
+    assert text_of("score-errors-latest") == "1 (dropped 2)"
     # Every chart was drawn from /v1/steps: one polyline per series, legends with last values.
-    assert len(re.findall(r"<polyline [^>]*points=\"[0-9]", dom)) == 1 + 2 + 2 + 4
+    assert len(re.findall(r"<polyline [^>]*points=\"[0-9]", dom)) == 1 + 2 + 2 + 4 + 2
     assert 'data-series="reward_mean">reward_mean: 0.7000<' in dom
     assert 'data-series="entropy">entropy: 1.600<' in dom
+    # An unknown figure is a dash, never 0.
+    assert 'data-series="loss">loss: \u2014<' in dom
+    assert 'data-series="score_errors">score_errors: 1.000<' in dom
     assert dom.count("<td>pod-0</td>") == 3
     assert "no data yet</text></svg>" not in dom
 

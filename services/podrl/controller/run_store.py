@@ -65,6 +65,10 @@ class RunStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
+        # WAL + NORMAL: a commit survives the controller process dying (SIGKILL); only an OS
+        # crash or power loss can undo the last commits, and a resume then finds a trainer
+        # version the records do not know, and goes back to a checkpoint (resume.py).
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(pending)")}
         if "batch_id" not in columns:  # a database written before batch ids existed

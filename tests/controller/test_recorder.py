@@ -1,0 +1,71 @@
+"""Step records and summary.json: every figure measured or marked unknown (H7), over every
+step of a long run (B2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from podrl.config import RunConfig
+from podrl.controller.membership import MemberRegistry
+from podrl.controller.recorder import TRAIN_METRICS, StepRecorder
+from podrl.controller.resume import RecoveredStep
+from podrl.controller.run_store import RunStore, StepRecord
+from podrl.controller.status import RunState
+from podrl.v1 import trainer_pb2
+
+
+@pytest.fixture
+def recorder(tmp_path: Path) -> StepRecorder:
+    config = RunConfig.model_validate({"name": "rec", "run_dir": str(tmp_path)})
+    state = RunState("rec", MemberRegistry(60), 1)
+    return StepRecorder(config, state, RunStore(tmp_path / "controller.sqlite"))
+
+
+def _summary(recorder: StepRecorder) -> dict:
+    recorder.write_summary()
+    return json.loads((recorder.config.run_dir / "summary.json").read_text())
+
+
+def test_the_summary_of_a_long_run_reads_its_last_steps(recorder: StepRecorder) -> None:
+    """The old summary read the first 10,000 steps only (final reward of steps 9,991-10,000)."""
+    for step in range(1, 10_006):
+        figures = {"reward_mean": step / 10_005, "tokens_generated": 2, "trained": True}
+        recorder.store.record_step(StepRecord(step, step, {}, figures, 0.0))
+    recorder.state.resume(10_005, 10_005)
+    summary = _summary(recorder)
+    assert summary["final_reward_mean"] == pytest.approx(sum(range(9_996, 10_006)) / 10 / 10_005)
+    assert summary["initial_reward_mean"] == pytest.approx(3 / 10_005)
+    assert summary["tokens_generated"] == 2 * 10_005
+    assert summary["steps"] == summary["steps_trained"] == 10_005
+
+
+def test_a_recovered_step_has_unknown_figures_left_out_of_the_summary(
+    recorder: StepRecorder,
+) -> None:
+    recorder.store.record_step(
+        StepRecord(1, 1, {}, {"reward_mean": 0.4, "tokens_generated": 10, "trained": True}, 0.0)
+    )
+    recovered = RecoveredStep(2, 2, {"index": 8}, ["t/4"], "rec:ab:2:1", train_reply=None)
+    record = recorder.record_recovered(recovered)
+    stored = recorder.store.step(2)
+    assert stored is not None and stored.metrics == record.metrics
+    for name in (*TRAIN_METRICS, "reward_mean", "tokens_generated", "score_errors"):
+        assert stored.metrics[name] is None, name  # unknown, never 0.0
+    assert stored.metrics["metrics_unknown"] is True and stored.metrics["recovered"] is True
+    recorder.state.resume(2, 2)
+    summary = _summary(recorder)
+    assert summary["initial_reward_mean"] == summary["final_reward_mean"] == 0.4
+    assert summary["tokens_generated"] == 10
+    assert summary["steps_with_unknown_metrics"] == 1
+
+
+def test_a_recovered_step_keeps_the_trainers_stored_reply(recorder: StepRecorder) -> None:
+    reply = trainer_pb2.TrainResponse(
+        policy_version=1, metrics=trainer_pb2.TrainMetrics(loss=0.75, grad_norm=2.0)
+    )
+    record = recorder.record_recovered(RecoveredStep(1, 1, {}, [], "rec:ab:1:1", reply))
+    assert record.metrics["loss"] == 0.75 and record.metrics["grad_norm"] == 2.0
+    assert record.metrics["reward_mean"] is None
