@@ -20,7 +20,8 @@ module adds each, no bigger than the tests need, behind the same HTTP API:
 - **Faults.** ``drop_watches`` aborts open watch connections (the client sees the stream end
   mid-chunk); ``hold_watches`` parks new watch requests until ``release_watches``, so a test
   can change objects while a watcher is disconnected; ``fail_watches`` answers the next watch
-  requests with 503.
+  requests with 503; ``stall_watches`` makes new watches silent and endless (a half-open
+  connection); ``forbidden`` answers chosen verbs 403, as RBAC would.
 
 Like kmock, it does not filter by labelSelector or fieldSelector: the watcher must filter
 what it receives itself, and the tests check that it does.
@@ -60,6 +61,7 @@ class ApiCall:
     group: str
     resource: str
     params: dict[str, str]
+    content_type: str
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
     #: Watches answered with 410 Gone, by resource plural.
     gone_answers: Counter[str] = attrs.field(factory=Counter, init=False)
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    #: (verb, resource[/subresource]) answered 403 Forbidden, as RBAC would.
+    forbidden: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    #: While set, new watches ignore timeoutSeconds and send nothing: a stalled connection.
+    stall_watches: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -120,8 +126,12 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None or not request.resource.plural:  # discovery, /version
             return await super()._handle(request)
-        self._record_call(request)
+        call = self._record_call(request)
         plural = request.resource.plural or ""
+        if (call.verb, call.resource) in self.forbidden:
+            return await self._render_error(
+                kmock.KubernetesError(403, "Forbidden", f"{call.verb} {call.resource}: no")
+            )
         if request.action == kmock.action.WATCH and self._failing_watches[plural] > 0:
             self._failing_watches[plural] -= 1
             return await self._render_error(
@@ -134,7 +144,7 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
             return await self._write(self._key(request), store)
         return await super()._handle(request)
 
-    def _record_call(self, request: rendering.Request) -> None:
+    def _record_call(self, request: rendering.Request) -> ApiCall:
         assert request.resource is not None
         method = request.method.value.upper()
         if method == "GET":
@@ -145,15 +155,16 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
         resource = request.resource.plural or ""
         if request.subresource:
             resource = f"{resource}/{request.subresource}"
-        self.calls.append(
-            ApiCall(
-                user_agent=request.headers.get("User-Agent", ""),
-                verb=verb,
-                group=request.resource.group or "",
-                resource=resource,
-                params=dict(request.params),
-            )
+        call = ApiCall(
+            user_agent=request.headers.get("User-Agent", ""),
+            verb=verb,
+            group=request.resource.group or "",
+            resource=resource,
+            params=dict(request.params),
+            content_type=request.headers.get("Content-Type", "").split(";")[0],
         )
+        self.calls.append(call)
+        return call
 
     def _key(self, request: rendering.Request) -> tuple[kmock.resource, str | None, str | None]:
         assert request.resource is not None
@@ -208,6 +219,7 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
         assert request.resource is not None
         plural = request.resource.plural or ""
         timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        stalled = self.stall_watches
         since = request.params.get("resourceVersion", "")
         watch = _OpenWatch(request)
         self._open_watches.add(watch)
@@ -242,6 +254,10 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
                 return
             watch.following = True
             self.following[plural] += 1
+            if stalled:  # sends nothing and never ends: only a drop or the client ends it
+                async with self._changed:
+                    await self._changed.wait_for(lambda: watch.dropped)
+                return
             deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
             while True:
                 async with self._changed:

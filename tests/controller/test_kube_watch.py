@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -107,16 +108,18 @@ def started() -> Iterator[Callable[..., KubeWatch]]:
         assert not kube_watch.running
 
 
-def create_statefulset(kube: client.ApiClient, replicas: int = 1, ready: int = 0) -> None:
+def create_statefulset(
+    kube: client.ApiClient, replicas: int = 1, ready: int = 0, name: str = STATEFULSET
+) -> None:
     client.AppsV1Api(kube).create_namespaced_stateful_set(
         NAMESPACE,
         {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": {"name": STATEFULSET, "namespace": NAMESPACE, "labels": SELECTOR},
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": SELECTOR},
             "spec": {
                 "replicas": replicas,
-                "serviceName": STATEFULSET,
+                "serviceName": name,
                 "selector": {"matchLabels": SELECTOR},
                 "template": {
                     "metadata": {"labels": SELECTOR},
@@ -256,14 +259,21 @@ def test_view_follows_replicas_set_by_kubectl_and_by_the_scaler(
         NAMESPACE,
         {"status": {"readyReplicas": 2}},
     )
-    view = kube_watch.wait_for(lambda v: v.ready_replicas == 2, WAIT_SECONDS)
-    view = kube_watch.wait_for(lambda v: v.pod("podrl-worker-2").ready, WAIT_SECONDS)
+    kube_watch.wait_for(lambda v: v.ready_replicas == 2, WAIT_SECONDS)
+    kube_watch.wait_for(lambda v: v.pod("podrl-worker-2").ready, WAIT_SECONDS)
 
     scaler = KubernetesScaler(watch_config(server))
     try:
         scaler.set_replicas(2)
-        assert kube_watch.wait_for(lambda v: v.desired_replicas == 2, WAIT_SECONDS)
+        kube_watch.wait_for(lambda v: v.desired_replicas == 2, WAIT_SECONDS)
         assert scaler.desired_replicas() == 2
+        # The scaler sends what kubectl sends: a merge patch of the scale subresource.
+        assert server.api is not None
+        scale_calls = [c for c in server.api.calls if c.resource == "statefulsets/scale"]
+        assert [(c.user_agent.split("/")[0], c.verb, c.content_type) for c in scale_calls] == [
+            ("kubectl", "patch", "application/merge-patch+json"),
+            ("podrl-controller", "patch", "application/merge-patch+json"),
+        ]
         # kubectl reads back what the scaler stored.
         assert (
             kubectl(
@@ -291,6 +301,7 @@ def test_pod_with_a_deletion_timestamp_is_terminating_until_it_is_gone(
     views: list[ClusterView] = []
 
     def on_change(view: ClusterView) -> None:
+        assert threading.current_thread().name.startswith("kube-watch-")
         views.append(view)
         if len(views) == 1:
             raise RuntimeError("a failing callback must not stop the watch")
@@ -412,9 +423,38 @@ def test_stop_breaks_off_an_open_watch(server: ApiServer, kube: client.ApiClient
     assert not kube_watch.running
 
 
+def test_watch_ended_by_the_server_resumes_and_a_silent_one_times_out(
+    server: ApiServer, kube: client.ApiClient, started: Callable[..., KubeWatch]
+) -> None:
+    create_statefulset(kube)
+    # The server ends each watch after 1 s; a watch silent for 1 + 1 s is dead.
+    config = watch_config(server, watch_timeout_seconds=1, request_timeout_seconds=1.0)
+    kube_watch = started(config)
+    kube_watch.wait_for(lambda v: v.synced, WAIT_SECONDS)
+
+    def pod_watches() -> list[Any]:
+        return [c for c in code_calls(server) if c.resource == "pods" and c.verb == "watch"]
+
+    wait_until(lambda: len(pod_watches()) >= 3, "the watch resumed after the server ended it")
+    pods = kube_watch.status()["pods"]
+    assert (pods.failures, pods.lists) == (0, 1)
+    assert len({c.params["resourceVersion"] for c in pod_watches()}) == 1
+
+    assert server.api is not None
+    server.api.stall_watches = True
+    wait_until(lambda: kube_watch.status()["pods"].failures >= 1, "a read timeout")
+    assert "timed out" in (kube_watch.status()["pods"].last_error or "").lower()
+    server.api.stall_watches = False
+    create_pod(kube, "podrl-worker-0")
+    kube_watch.wait_for(lambda v: len(v.pods) == 1, WAIT_SECONDS)
+    assert kube_watch.status()["pods"].lists == 1
+
+
 def test_without_the_statefulset_nothing_is_desired(
     server: ApiServer, kube: client.ApiClient, started: Callable[..., KubeWatch]
 ) -> None:
+    # Another StatefulSet in the namespace; the emulated API ignores the fieldSelector by name.
+    create_statefulset(kube, replicas=7, name="podrl-other")
     kube_watch = started(watch_config(server))
     view = kube_watch.wait_for(lambda v: v.synced, WAIT_SECONDS)
     assert (view.desired_replicas, view.pods) == (None, ())
@@ -447,6 +487,13 @@ def test_the_watch_and_the_scaler_call_exactly_the_access_table(
     kube_watch.wait_for(lambda v: v.desired_replicas == 2, WAIT_SECONDS)
     used = {(c.group, c.resource, c.verb) for c in code_calls(server)}
     assert used == _flat(KUBERNETES_ACCESS)
+    # The server is asked to filter too: pods by the selector, the StatefulSet by name.
+    config = watch_config(server)
+    for call in code_calls(server):
+        if call.resource == "pods":
+            assert call.params["labelSelector"] == config.label_selector
+        elif call.verb in ("list", "watch"):
+            assert call.params["fieldSelector"] == f"metadata.name={STATEFULSET}"
 
 
 # The chart grants these, but no code calls them; the chart's owner removes them (then this set
@@ -524,6 +571,13 @@ def test_config_in_a_cluster(service_account: Path) -> None:
     assert config.client_configuration.api_key["BearerToken"] == "bearer token-of-the-test"
     assert config.client_configuration.ssl_ca_cert == str(service_account / "ca.crt")
     assert config.label_selector == ",".join(f"{k}={v}" for k, v in sorted(SELECTOR.items()))
+    # The defaults docs/scaling.md states.
+    assert config.watch_timeout_seconds == 300
+    assert (
+        config.backoff_initial_seconds,
+        config.backoff_max_seconds,
+        config.backoff_jitter,
+    ) == (0.5, 30.0, 0.2)
     # Without POD_NAMESPACE, the service account's namespace file.
     (service_account / "namespace").write_text("other\n")
     env = {k: v for k, v in CHART_ENV.items() if k != "POD_NAMESPACE"}
@@ -620,6 +674,13 @@ def test_scaler_errors_name_the_statefulset_and_the_fix(
     assert missing.value.http_status == 404
     with pytest.raises(ValueError, match="replicas"):
         scaler.set_replicas(-1)
+    create_statefulset(kube)
+    assert server.api is not None
+    server.api.forbidden.add(("patch", "statefulsets/scale"))
+    with pytest.raises(ScaleError, match="Role must grant") as forbidden:
+        scaler.set_replicas(2)
+    assert forbidden.value.http_status == 403
+    assert scaler.desired_replicas() == 1
     scaler.close()
 
     with socket.socket() as probe:  # a loopback port with nothing listening

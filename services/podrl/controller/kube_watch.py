@@ -32,6 +32,7 @@ Not wired into the controller loop yet: the loop does not read the view today.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -357,9 +358,10 @@ class _ResourceWatch:
         with self._lock:
             return self._status
 
-    def _set_status(self, **changes: Any) -> None:
+    def _update_status(self, change: Callable[[WatchStatus], dict[str, Any]]) -> None:
+        """Replace the status with ``change(status)``'s fields changed."""
         with self._lock:
-            self._status = WatchStatus(**{**self._status.__dict__, **changes})
+            self._status = dataclasses.replace(self._status, **change(self._status))
 
     def interrupt(self) -> None:
         """Break an open watch connection (for stop)."""
@@ -377,7 +379,7 @@ class _ResourceWatch:
                     break
                 if exc.status == _HTTP_GONE:
                     self._gone_in_a_row += 1
-                    self._set_status(gone=self._status.gone + 1, resource_version=None)
+                    self._update_status(lambda s: {"gone": s.gone + 1, "resource_version": None})
                     log.info(
                         "watch %s: resourceVersion %s gone (410); re-listing",
                         self.resource,
@@ -394,18 +396,18 @@ class _ResourceWatch:
 
     def _failed(self, exc: BaseException) -> None:
         delay = self._backoff.next_delay()
-        with self._lock:
-            status = self._status
-            delays = status.backoff_delays_seconds if status.consecutive_failures else ()
-            self._status = WatchStatus(
-                **{
-                    **status.__dict__,
-                    "failures": status.failures + 1,
-                    "consecutive_failures": status.consecutive_failures + 1,
-                    "backoff_delays_seconds": (*delays, delay),
-                    "last_error": f"{type(exc).__name__}: {exc}"[:500],
-                }
-            )
+        # A new run of failures starts a new list of delays.
+        self._update_status(
+            lambda s: {
+                "failures": s.failures + 1,
+                "consecutive_failures": s.consecutive_failures + 1,
+                "backoff_delays_seconds": (
+                    *(s.backoff_delays_seconds if s.consecutive_failures else ()),
+                    delay,
+                ),
+                "last_error": f"{type(exc).__name__}: {exc}"[:500],
+            }
+        )
         log.warning(
             "watch %s: %s: %s; retrying in %.2f s",
             self.resource,
@@ -418,7 +420,9 @@ class _ResourceWatch:
     def _succeeded(self, resource_version: str | None) -> None:
         self._backoff.reset()
         self._gone_in_a_row = 0
-        self._set_status(consecutive_failures=0, resource_version=resource_version)
+        self._update_status(
+            lambda s: {"consecutive_failures": 0, "resource_version": resource_version}
+        )
 
     def _list(self) -> str:
         config = self._config
@@ -434,7 +438,7 @@ class _ResourceWatch:
         items = [item for item in body.get("items") or [] if isinstance(item, dict)]
         resource_version = str((body.get("metadata") or {}).get("resourceVersion") or "")
         self._on_list(items)
-        self._set_status(lists=self._status.lists + 1)
+        self._update_status(lambda s: {"lists": s.lists + 1})
         self._succeeded(resource_version)
         return resource_version
 
