@@ -17,7 +17,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ def server() -> Iterator[ApiServer]:
 
 
 @pytest.fixture
-def kube(server: ApiServer) -> client.ApiClient:
+def kube(server: ApiServer) -> Iterator[client.ApiClient]:
     """The test's own client (its default User-Agent tells its requests from the code's)."""
     api = client.ApiClient(server.configuration())
     yield api
@@ -467,7 +467,7 @@ def test_without_the_statefulset_nothing_is_desired(
 # --- the verbs: what the code calls == the table == the chart's Role --------------------------
 
 
-def _flat(access: dict[tuple[str, str], frozenset[str]] | Any) -> set[tuple[str, str, str]]:
+def _flat(access: Mapping[tuple[str, str], Iterable[str]]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb) for (group, resource), verbs in access.items() for verb in verbs
     }
