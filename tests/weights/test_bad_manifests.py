@@ -49,7 +49,7 @@ def receiver() -> WeightReceiver:
 
 
 def _rejects(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCode) -> None:
-    before_version = receiver.version
+    before_fingerprint = receiver.fingerprint
     before = (
         {n: t.clone() for n, t in receiver._cached.destinations.items()} if receiver._cached else {}
     )
@@ -57,7 +57,7 @@ def _rejects(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCo
         receiver.apply(manifest)
     assert error.value.kind is kind, error.value
     assert error.value.status_code == code
-    assert receiver.version == before_version
+    assert receiver.fingerprint == before_fingerprint
     if before:
         assert all(torch.equal(receiver._cached.destinations[n], t) for n, t in before.items())
 
@@ -110,18 +110,15 @@ def test_wrong_name_shape_dtype_missing_coverage(trainer, receiver) -> None:
     assert torch.equal(applied["lm_head.weight"], trainer.params["lm_head.weight"])
 
 
-def test_stale_and_out_of_order_versions(trainer, receiver) -> None:
+def test_the_receiver_copies_any_version_it_holds_storage_for(trainer, receiver) -> None:
+    """Version order is the generator's weight state's to check (tests/generator/
+    test_weight_state.py), in one place; the receiver copies what a manifest names."""
     receiver.apply(trainer.publish(3))
     trainer.publisher.acknowledge(3)
-    _rejects(receiver, trainer.publish(3, force_full=True), Kind.STALE_VERSION, PRECONDITION)
-    trainer.publisher.acknowledge(3)
-    _rejects(receiver, trainer.publish(2, force_full=True), Kind.STALE_VERSION, PRECONDITION)
-    trainer.publisher.acknowledge(3)
-    version_only = trainer.publish(4)
-    assert version_only.version_only
-    receiver.apply(version_only)
-    assert receiver.version == 4
-    _rejects(receiver, version_only, Kind.STALE_VERSION, PRECONDITION)
+    trainer.params["lm_head.weight"].add_(1.0)
+    older = receiver.apply(trainer.publish(2, force_full=True))
+    assert older.version == 2 and older.plan_cached
+    assert torch.equal(dict(older)["lm_head.weight"], trainer.params["lm_head.weight"])
 
 
 def test_fingerprint_change_needs_full_manifest(trainer, receiver) -> None:
@@ -157,3 +154,13 @@ def test_publisher_waits_for_acknowledgement(trainer) -> None:
     trainer.publish(1, force_full=True)  # republishing the pending version is fine
     trainer.publisher.acknowledge(1)
     assert trainer.publish(2).version_only
+
+
+def test_live_staging_needs_cuda_parameters(trainer) -> None:
+    """staging='live' exports the live parameters by CUDA IPC; CPU weights go through 'shm'."""
+    live = WeightPublisher(lambda: trainer.params, staging="live")
+    with pytest.raises(PublishError, match="staging='live' needs CUDA parameters"):
+        live.prepare(1)
+    live.close()
+    with pytest.raises(ValueError, match="'auto', 'shm' or 'live'"):
+        WeightPublisher(lambda: trainer.params, staging="direct")

@@ -16,11 +16,11 @@ from podrl.weights.publisher import (
     WeightPublisher,
     publish_single_process,
 )
-from podrl.weights.receiver import AppliedWeights, WeightReceiver
+from podrl.weights.receiver import CopiedWeights, WeightReceiver
 
 __all__ = [
     "ARCHITECTURE_TABLES",
-    "AppliedWeights",
+    "CopiedWeights",
     "ManifestAssembler",
     "ManifestError",
     "ManifestErrorKind",

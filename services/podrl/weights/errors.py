@@ -40,6 +40,8 @@ class ManifestError(ValueError):
     def __init__(self, kind: ManifestErrorKind, message: str, *, name: str | None = None) -> None:
         super().__init__(f"{kind.value}: {message}")
         self.kind = kind
+        self.message = message
+        """Without the kind prefix (to raise the same error again across a process)."""
         self.name = name
 
     @property

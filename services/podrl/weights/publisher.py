@@ -8,7 +8,7 @@ The trainer must not change published storage while a generator may read it:
 * **CPU** (``staging="shm"``): parameters are copied into a shared-memory *staging copy* when a
   version is published; the optimizer may step freely, but the next :meth:`prepare` refreshes
   the staging copy and so waits until the previous version was acknowledged.
-* **GPU** (``staging="direct"``): the FSDP2 sharded parameters themselves are exported by CUDA
+* **GPU** (``staging="live"``): the FSDP2 sharded parameters themselves are exported by CUDA
   IPC (no copy). The optimizer updates them in place, so the trainer calls
   :meth:`wait_for_acknowledgement` before every optimizer step while a version is pending.
 
@@ -30,7 +30,9 @@ from podrl.v1 import weights_pb2
 from podrl.weights import codec, cuda_ipc, manifest, shm
 from podrl.weights.errors import PublishError
 
-StagingMode = Literal["auto", "shm", "direct"]
+StagingMode = Literal["auto", "shm", "live"]
+"""shm: a shared-memory staging copy (CPU); live: the live parameters by CUDA IPC, no copy (GPU);
+auto: live for CUDA parameters, else shm."""
 DEFAULT_SEGMENT_BYTES = 1 << 30
 
 
@@ -173,8 +175,8 @@ class WeightPublisher:
             )
         else:
             self._params_fn = params
-        if staging not in ("auto", "shm", "direct"):
-            raise ValueError(f"staging must be 'auto', 'shm' or 'direct', not {staging!r}")
+        if staging not in ("auto", "shm", "live"):
+            raise ValueError(f"staging must be 'auto', 'shm' or 'live', not {staging!r}")
         self.rank = rank
         self._staging_mode = staging
         self._segment_bytes = segment_bytes
@@ -221,13 +223,13 @@ class WeightPublisher:
                 local = manifest.local_shards(params)
                 if not local:
                     raise PublishError(f"rank {self.rank} has no parameters to publish")
-                self._rebuild(local, manifest.storage_fingerprint(local), self._direct(local))
+                self._rebuild(local, manifest.storage_fingerprint(local), self._publish_live(local))
                 self._local, self._storage_key = local, key
             self._storage_snapshot = _StorageSnapshot.of(params)
         local = self._local
-        direct = self._staging is None
+        live = self._staging is None
         fingerprint = self._fingerprint
-        if direct:
+        if live:
             if any(shard.tensor.is_cuda for shard in local):
                 # Kernels of the last optimizer step must be done before anyone reads.
                 torch.cuda.synchronize()
@@ -238,19 +240,18 @@ class WeightPublisher:
             self._pending = version
         return RankPublication(rank=self.rank, fingerprint=fingerprint, shards=self._shards)
 
-    def _direct(self, local: Sequence[manifest.LocalShard]) -> bool:
+    def _publish_live(self, local: Sequence[manifest.LocalShard]) -> bool:
+        """True: export the live parameters (CUDA IPC); False: a shared-memory staging copy."""
         on_cuda = all(shard.tensor.is_cuda for shard in local)
-        if self._staging_mode == "direct" and not on_cuda:
-            raise PublishError("staging='direct' needs CUDA parameters; CPU weights use 'shm'")
-        return on_cuda if self._staging_mode == "auto" else self._staging_mode == "direct"
+        if self._staging_mode == "live" and not on_cuda:
+            raise PublishError("staging='live' needs CUDA parameters; CPU weights use 'shm'")
+        return on_cuda if self._staging_mode == "auto" else self._staging_mode == "live"
 
-    def _rebuild(
-        self, local: Sequence[manifest.LocalShard], fingerprint: str, direct: bool
-    ) -> None:
+    def _rebuild(self, local: Sequence[manifest.LocalShard], fingerprint: str, live: bool) -> None:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
-        if direct:
+        if live:
             storages = [
                 weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)) for s in local
             ]
@@ -261,7 +262,7 @@ class WeightPublisher:
         self._shards = []
         for shard, storage in zip(local, storages, strict=True):
             message = shard.to_wire(storage, self.rank)
-            if not direct:
+            if not live:
                 message.stride[:] = list(codec.contiguous_strides(shard.tensor.shape))
             self._shards.append(message)
         self._fingerprint = fingerprint
@@ -283,7 +284,7 @@ class WeightPublisher:
 
     @property
     def must_wait_before_step(self) -> bool:
-        """True when the optimizer may not touch the parameters yet (direct GPU publishing)."""
+        """True when the optimizer may not touch the parameters yet (live GPU publishing)."""
         return self._staging is None and self.pending_version is not None
 
     def close(self) -> None:

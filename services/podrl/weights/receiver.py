@@ -11,15 +11,20 @@ Two ways to consume (pick with ``destinations``):
     vLLM's reload path (``model.load_weights``) on the CPU backend, which repacks linear weights.
 
 ``apply`` validates everything and opens every handle before it copies anything, so a rejected
-manifest (:class:`~podrl.weights.errors.ManifestError`) leaves the receiver as it was. When it
-returns, the trainer's storage is no longer needed for that version: acknowledge it then.
+manifest (:class:`~podrl.weights.errors.ManifestError`) leaves the receiver and the destinations
+as they were. When it returns, every copy has finished: the trainer's storage is no longer read.
+
+The receiver checks what it needs to copy (publisher, names, shapes, dtypes, tiling, storage,
+and for a version-only manifest that it holds a plan for that storage); it does not order
+versions. Which version a generator serves, and whether a manifest may replace it, is
+``podrl.generator.weight_state``'s to decide (one place), after the copy *and* vLLM's load.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,10 +39,11 @@ Kind = ManifestErrorKind
 
 
 @dataclass
-class AppliedWeights:
+class CopiedWeights:
     """Result of one ``apply``: iterate it for (name, tensor) pairs in the layout's naming."""
 
     version: int
+    """The manifest's version (what the tensors now hold)."""
     plan_cached: bool
     seconds: float
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -92,7 +98,6 @@ class WeightReceiver:
         self.trusted_publisher_id = trusted_publisher_id
         self.copy_streams = copy_streams
         self.map_on_destination = map_on_destination
-        self.version: int | None = None
         self._cached: _Cached | None = None
         shm.reap_orphaned_segments()
 
@@ -111,11 +116,6 @@ class WeightReceiver:
                 Kind.UNTRUSTED,
                 f"publisher_id {manifest.publisher_id!r} is not this pod's trainer "
                 f"({self.trusted_publisher_id!r})",
-            )
-        if self.version is not None and manifest.version <= self.version:
-            raise ManifestError(
-                Kind.STALE_VERSION,
-                f"version {manifest.version} is not newer than the applied version {self.version}",
             )
         if manifest.version_only:
             if self._cached is None or self._cached.fingerprint != manifest.model_fingerprint:
@@ -234,11 +234,15 @@ class WeightReceiver:
         self,
         manifest: weights_pb2.WeightManifest,
         destinations: Mapping[str, torch.Tensor] | None = None,
-    ) -> AppliedWeights:
+        *,
+        before_copy: Callable[[], None] | None = None,
+    ) -> CopiedWeights:
         """Validate, (re)plan if the storage changed, copy; returns the filled tensors.
 
         ``destinations`` (name -> tensor in the layout's naming) are copied into in place;
         without them the receiver fills buffers of its own (allocated once per fingerprint).
+        ``before_copy`` runs after every check passed and every handle is open, right before
+        the first byte is written (the generator marks its served weights as being touched).
         """
         started = time.perf_counter()
         self.validate(manifest)
@@ -254,10 +258,13 @@ class WeightReceiver:
             reuse = all(destinations[name] is cached.destinations[name] for name in self.layout)
         if not reuse:
             cached = self._compile(manifest, destinations)
-        cached.plan.run()
+        if before_copy is not None:
+            before_copy()
+        # Cached before the copy: a copy that fails half-way leaves the plan valid (the next
+        # apply of this storage rewrites every destination).
         self._cached = cached
-        self.version = manifest.version
-        return AppliedWeights(
+        cached.plan.run()
+        return CopiedWeights(
             version=manifest.version,
             plan_cached=reuse,
             seconds=time.perf_counter() - started,
