@@ -62,6 +62,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     received: list[str] = field(default_factory=list)
     """batch_id of every Train call, in arrival order."""
     acknowledged: list[int] = field(default_factory=list)
+    on_abort: Callable[[], None] | None = None
+    """Runs before an injected abort_before_apply (e.g. another batch lands meanwhile)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
 
@@ -76,6 +78,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             fault = self.faults.pop(0) if self.faults else TrainFault()
             time.sleep(fault.delay_before_apply)
             if fault.abort_before_apply is not None:
+                if self.on_abort is not None:
+                    self.on_abort()
                 context.abort(fault.abort_before_apply, "injected failure before the update")
             if request.policy_version != self.version:
                 context.abort(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
@@ -89,6 +90,11 @@ def pod(tmp_path: Path) -> Iterator[FakePod]:
 
 
 RunLoop = Callable[..., dict[str, Any]]
+
+
+def _metric(name: str, **labels: str) -> float:
+    """The controller's Prometheus value (what /metrics serves), 0 when never set."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture
@@ -181,6 +187,8 @@ def test_score_errors_are_left_out_of_training_and_counted(pod: FakePod, run_loo
     pod.generator.complete = lambda prompt, index: (
         "RAISE" if index == 3 else (prompt.reference if index % 2 == 0 else "wrong")
     )
+    errors_before = _metric("podrl_score_errors_total", error="SCORE_ERROR_EXCEPTION")
+    dropped_before = _metric("podrl_dropped_samples_total")
     run = run_loop(pod)
     assert run["state"].phase == "finished", run["state"].error
     failed = [row for row in run["samples"] if row["score_error"]]
@@ -195,6 +203,12 @@ def test_score_errors_are_left_out_of_training_and_counted(pod: FakePod, run_loo
         # Of the 3 valid samples, indices 0 and 2 are right: 2/3, not 2/4 or a fallback mean.
         assert step.metrics["reward_mean"] == pytest.approx(2 / 3)
     assert run["summary"]["score_errors"] == 3 * PROMPTS
+    # The status page and /metrics show them too.
+    assert run["state"].view().last_step_metrics["score_errors"] == PROMPTS
+    errors = _metric("podrl_score_errors_total", error="SCORE_ERROR_EXCEPTION")
+    assert errors - errors_before == 3 * PROMPTS
+    assert _metric("podrl_dropped_samples_total") - dropped_before == 3 * PROMPTS
+    assert _metric("podrl_step_score_errors") == PROMPTS
 
 
 def test_a_reward_that_raises_on_every_item_fails_the_run_naming_its_error(

@@ -44,8 +44,8 @@ def _info(version: int, batch_id: str = "") -> trainer_pb2.TrainerInfo:
         # One version ahead, no batch ids kept: this request did it; metrics unknown.
         (Code.INVALID_ARGUMENT, _info(4), Verdict.APPLIED_METRICS_UNKNOWN),
         (Code.DEADLINE_EXCEEDED, _info(4), Verdict.APPLIED_METRICS_UNKNOWN),
-        # One version ahead by another batch: not ours to record.
-        (Code.INVALID_ARGUMENT, _info(4, "run:abc:3:1"), Verdict.FAIL_RUN),
+        # One version ahead, the batch id not (yet) ours: ask again with the same request.
+        (Code.INVALID_ARGUMENT, _info(4, "run:abc:3:1"), Verdict.RESEND),
         # Version unchanged and the call may still run: the same request again.
         (Code.DEADLINE_EXCEEDED, _info(3, "run:abc:3:1"), Verdict.RESEND),
         (Code.UNAVAILABLE, _info(3), Verdict.RESEND),
@@ -159,3 +159,18 @@ def test_a_trainer_that_never_answers_fails_the_run_with_the_outcome_unknown(
     pod.stop()
     with pytest.raises(RunFailedError, match="outcome still unknown after 3 sends"):
         phase.train(pod.address, _request())
+
+
+def test_a_version_advanced_by_another_batch_fails_the_run_once_the_sends_are_used_up(
+    pod: FakePod, phase: TrainPhase
+) -> None:
+    # Another batch lands while this one's first send computes (a second controller, say).
+    def other_batch_lands() -> None:
+        pod.trainer.version, pod.trainer.last_batch_id = 4, "run:zzz:4:1"
+
+    pod.trainer.faults = [TrainFault(abort_before_apply=Code.UNAVAILABLE)]
+    pod.trainer.on_abort = other_batch_lands
+    with pytest.raises(RunFailedError, match="names batch run:zzz:4:1, not this step's"):
+        phase.train(pod.address, _request())
+    assert pod.trainer.applied == []
+    assert pod.trainer.received == ["run:abc:4:1"] * 3

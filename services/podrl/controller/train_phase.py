@@ -15,8 +15,11 @@ decides:
   applied by this request (the trainer's version is checked before the first send, and the
   controller never has two batches for one version in flight); the trainer metrics are
   recorded as unknown (null), never as 0.0;
-- one version ahead by another batch id → the run fails (a batch this attempt did not send was
-  applied);
+- one version ahead while ``last_batch_id`` names another batch → the same request is sent
+  again: the trainer bumps its version a moment before it stores the batch id, so Info can show
+  the one without the other; the re-send is answered from the stored reply if the batch was
+  this one, and refused for its version otherwise (then, once the sends are used up, the run
+  fails);
 - the version unchanged and the trainer answered (the call is over) → not applied: the attempt
   fails and the step is retried from scratch; INVALID_ARGUMENT fails the run (a bad batch is a
   bug, retrying cannot help);
@@ -88,9 +91,9 @@ def judge_train_failure(
     if info.policy_version == expected + 1:
         if info.last_batch_id:
             return Judgement(
-                Verdict.FAIL_RUN,
-                f"the trainer went to version {info.policy_version} with batch "
-                f"{info.last_batch_id}, not this step's {request.batch_id}",
+                Verdict.RESEND,
+                f"the trainer is at version {info.policy_version} and names batch "
+                f"{info.last_batch_id}, not this step's {request.batch_id} (yet)",
             )
         return Judgement(
             Verdict.APPLIED_METRICS_UNKNOWN,
