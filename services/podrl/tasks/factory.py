@@ -34,6 +34,11 @@ def build_records(config: TaskConfig, seed: int, field: str) -> RecordStream:
     raise TypeError(f"unknown source config {type(source).__name__}")
 
 
+def task_seed(config: TasksConfig, task: TaskConfig) -> int:
+    """The seed of ``task``'s stream: its own ``seed``, else one derived from ``tasks.seed``."""
+    return task.seed if task.seed is not None else derive_seed(config.seed, task.name)
+
+
 def build_task_source(config: TasksConfig) -> TaskMixture:
     """The run's prompt stream: every task of ``config.definitions``, mixed by weight.
 
@@ -42,7 +47,7 @@ def build_task_source(config: TasksConfig) -> TaskMixture:
     streams = []
     for number, task in enumerate(config.definitions):
         field = f"tasks.definitions[{number}]"
-        seed = task.seed if task.seed is not None else derive_seed(config.seed, task.name)
+        seed = task_seed(config, task)
         try:
             streams.append(TaskStream(task, build_records(task, seed, field), field))
         except (ValueError, TemplateError) as err:

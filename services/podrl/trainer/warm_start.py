@@ -2,9 +2,15 @@
 
 A random-init tiny model has never seen a newline after an answer, so almost every sample runs
 to ``max_tokens`` and RL has little signal to start from. A few steps of next-token training on
-``prompt + target`` items of the task source (their own seed, so the RL run's prompt stream is
-untouched) fix the format; what remains to learn is left to RL. ``podrl warm-start`` runs it and
-writes a Hugging Face folder the run's trainer and generator then load.
+``prompt + target`` items of the task source fix the format; what remains to learn is left to
+RL. ``podrl warm-start`` runs it and writes a Hugging Face folder the run's trainer and
+generator then load.
+
+The warm-start draws from streams of its own (:func:`warm_start_tasks`): every task is reseeded
+from its run seed, whether the task sets ``seed`` itself or derives it from ``tasks.seed``, so
+the warm-start stream is never the RL run's stream. Independent streams over a small prompt
+space (e.g. the demo's 155 copy prompts) still draw the same prompt texts; only a space much
+larger than both draws keeps them apart.
 """
 
 from __future__ import annotations
@@ -17,13 +23,28 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from podrl.config import RunConfig
+from podrl.config.tasks import TasksConfig
 from podrl.tasks import build_task_source
+from podrl.tasks.base import derive_seed
+from podrl.tasks.factory import task_seed
 
 
 @dataclass(frozen=True)
 class WarmStartResult:
     out_dir: Path
     losses: list[float]
+
+
+def warm_start_tasks(tasks: TasksConfig, seed: int) -> TasksConfig:
+    """``tasks`` with every stream reseeded for the warm-start: each task's seed is derived
+    from the seed the RL run uses for it (its own ``seed`` or the derived one) and ``seed``."""
+    definitions = [
+        task.model_copy(
+            update={"seed": derive_seed(task_seed(tasks, task), f"warm-start:{seed}:{task.name}")}
+        )
+        for task in tasks.definitions
+    ]
+    return tasks.model_copy(update={"seed": tasks.seed + seed, "definitions": definitions})
 
 
 def warm_start(
@@ -38,8 +59,7 @@ def warm_start(
 ) -> WarmStartResult:
     """Train ``steps`` supervised steps on task targets; save the model to ``out_dir``."""
     torch.manual_seed(seed)
-    tasks = config.tasks.model_copy(update={"seed": config.tasks.seed + seed})
-    source = build_task_source(tasks)  # a stream of its own: not the run's prompts
+    source = build_task_source(warm_start_tasks(config.tasks, seed))  # not the run's stream
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
