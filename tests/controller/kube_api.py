@@ -101,6 +101,8 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     #: (verb, resource[/subresource]) answered 403 Forbidden, as RBAC would.
     forbidden: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    #: While set, every watch from a resourceVersion is answered 410 Gone.
+    expire_watches: bool = attrs.field(default=False, init=False)
     #: While set, new watches ignore timeoutSeconds and send nothing: a stalled connection.
     stall_watches: bool = attrs.field(default=False, init=False)
 
@@ -242,7 +244,7 @@ class EmulatedKubeAPI(kmock.KubernetesEmulator):
                         and not obj.deleted
                         and request.namespace in (None, namespace)
                     ]
-                elif int(since) < self._compacted_to:
+                elif int(since) < self._compacted_to or self.expire_watches:
                     self.gone_answers[plural] += 1
                     initial = [_gone_event(since)]
                     cursor = None

@@ -366,6 +366,22 @@ def test_410_gone_relists_and_no_change_is_lost(
     kube_watch.wait_for(lambda v: len(v.pods) == 3, WAIT_SECONDS)
 
 
+def test_410_again_right_after_a_relist_backs_off(
+    server: ApiServer, kube: client.ApiClient, started: Callable[..., KubeWatch]
+) -> None:
+    create_statefulset(kube)
+    assert server.api is not None
+    server.api.expire_watches = True  # an API server whose watches are always gone
+    kube_watch = started(watch_config(server))
+    wait_until(lambda: kube_watch.status()["pods"].gone >= 4, "four 410s")
+    pods = kube_watch.status()["pods"]
+    # list, 410, re-list at once, 410 again: that one waits its backoff delay first.
+    assert pods.failures >= pods.gone // 2 - 1 >= 1
+    server.api.expire_watches = False
+    create_pod(kube, "podrl-worker-0")
+    kube_watch.wait_for(lambda v: len(v.pods) == 1, WAIT_SECONDS)
+
+
 def test_dropped_watch_backs_off_and_resumes_from_its_resource_version(
     server: ApiServer, kube: client.ApiClient, started: Callable[..., KubeWatch], tmp_path: Path
 ) -> None:

@@ -417,9 +417,10 @@ class _ResourceWatch:
         )
         self._stop.wait(delay)
 
-    def _succeeded(self, resource_version: str | None) -> None:
+    def _succeeded(self, resource_version: str | None, watched: bool = True) -> None:
         self._backoff.reset()
-        self._gone_in_a_row = 0
+        if watched:  # a list alone does not end a run of 410s: its watch may be gone again
+            self._gone_in_a_row = 0
         self._update_status(
             lambda s: {"consecutive_failures": 0, "resource_version": resource_version}
         )
@@ -439,7 +440,7 @@ class _ResourceWatch:
         resource_version = str((body.get("metadata") or {}).get("resourceVersion") or "")
         self._on_list(items)
         self._update_status(lambda s: {"lists": s.lists + 1})
-        self._succeeded(resource_version)
+        self._succeeded(resource_version, watched=False)
         return resource_version
 
     def _events(self, resource_version: str) -> Iterator[dict[str, Any]]:
