@@ -47,7 +47,7 @@ def test_every_object_passes_strict_schema_validation(case: Case) -> None:
     objects = _objects(case)
     expected = {
         "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-        "PersistentVolumeClaim", "StatefulSet", "PodDisruptionBudget", "Pod",
+        "PersistentVolumeClaim", "StatefulSet", "PodDisruptionBudget", "Pod", "Secret",
     }  # fmt: skip
     if case.gpu_mode == "dra":
         expected.add("ResourceClaimTemplate")
@@ -266,9 +266,21 @@ def test_helm_test_pod_checks_grpc_health_of_every_service(case: Case) -> None:
     assert targets == expected
 
 
+def _mount_of(c: dict, path: Path) -> dict | None:
+    """The volume mount of container ``c`` that holds ``path`` (the deepest), if any."""
+    holding = [
+        m
+        for m in c["volumeMounts"]
+        if path == Path(m["mountPath"]) or Path(m["mountPath"]) in path.parents
+    ]
+    return max(holding, key=lambda m: len(m["mountPath"]), default=None)
+
+
 @pytest.mark.parametrize("gpu_mode", ["dra", "devicePlugin", "none"])
 def test_each_container_loads_the_rendered_run_config(gpu_mode: str, tmp_path: Path) -> None:
-    """The ConfigMap plus each container's PODRL_* variables pass podrl's own config loader."""
+    """The ConfigMap plus each container's PODRL_* variables pass podrl's own config loader,
+    and every folder a container writes (run_dir, HOME) lies on one of its writable mounts,
+    every folder it reads (the model) on one of its mounts: the root filesystem is read-only."""
     objects = render({"gpu": {"mode": gpu_mode}})
     config_map = find(objects, "ConfigMap")
     (config_file,) = config_map["data"]
@@ -304,6 +316,17 @@ def test_each_container_loads_the_rendered_run_config(gpu_mode: str, tmp_path: P
             if c["name"] != "controller":
                 assert section.address == f"10.1.2.3:{section.grpc_port}"
             assert str(config.run_dir).startswith("/var/lib/podrl/")
+            writes = [Path(env["HOME"]), Path(env["XDG_CACHE_HOME"])]
+            if c["name"] in ("controller", "trainer"):
+                writes.append(config.run_dir)
+            for folder in writes:
+                mount = _mount_of(c, folder)
+                assert mount is not None and not mount.get("readOnly"), (c["name"], folder)
+            if c["name"] in ("trainer", "generator"):
+                assert section.model_path == Path("/models")
+                mount = _mount_of(c, section.model_path)
+                assert mount is not None and mount["readOnly"] is True, c["name"]
+                assert mounts[mount["name"]] == mounts["model"]
 
 
 def test_ports_follow_the_run_config() -> None:
@@ -330,7 +353,12 @@ def test_dra_mode_on_kubernetes_before_1_34_fails_with_the_fix() -> None:
 
 def test_dra_claim_carries_count_and_selectors() -> None:
     selector = 'device.attributes["gpu.nvidia.com"].productName.matches("H200")'
-    objects = render({"gpu": {"count": 4, "dra": {"selectors": [selector]}}})
+    objects = render(
+        {
+            "gpu": {"count": 4, "dra": {"selectors": [selector]}},
+            "runConfig": {"trainer": {"dp_shard": 4}},
+        }
+    )
     (request,) = find(objects, "ResourceClaimTemplate")["spec"]["spec"]["devices"]["requests"]
     assert request["exactly"]["count"] == 4
     assert request["exactly"]["selectors"] == [{"cel": {"expression": selector}}]

@@ -22,8 +22,22 @@ BAD_VALUES = [
     ({"images": {"variant": "rocm"}}, "/images/variant", "'cuda', 'cpu'"),
     ({"images": {"pullPolicy": "Sometimes"}}, "/images/pullPolicy", "Always"),
     ({"gpu": {"devicePlugin": {"requestingContainer": "controller"}}}, "requestingContainer", ""),
-    ({"persistence": {"accessModes": []}}, "/persistence/accessModes", "minItems"),
-    ({"persistence": {"size": "lots"}}, "/persistence/size", ""),
+    (
+        {"persistence": {"controller": {"accessModes": []}}},
+        "/persistence/controller/accessModes",
+        "minItems",
+    ),
+    (
+        {"persistence": {"workers": {"accessModes": ["ReadOnlyMany"]}}},
+        "/persistence/workers/accessModes/0",
+        "ReadWriteOnce",
+    ),
+    ({"persistence": {"workers": {"size": "lots"}}}, "/persistence/workers/size", ""),
+    (
+        {"persistence": {"accessModes": ["ReadWriteMany"]}},
+        "/persistence",
+        "'accessModes' not allowed",
+    ),
     ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot", ""),
     ({"workers": {"shmSizeLimit": "16 GB"}}, "/workers/shmSizeLimit", ""),
     ({"runConfig": {"device": "tpu"}}, "/runConfig/device", "'cpu', 'cuda', 'auto'"),
@@ -31,6 +45,67 @@ BAD_VALUES = [
     ({"runConfig": {"worker_id": "pod-0"}}, "/runConfig/worker_id", "remove runConfig.worker_id"),
     ({"fullnameOverride": "Bad_Name"}, "/fullnameOverride", ""),
     ({"controller": {"service": {"type": "ExternalName"}}}, "/controller/service/type", ""),
+    # What the services refuse is refused at install time.
+    (
+        {"runConfig": {"controller": {"metrics_port": 9100}}},
+        "/runConfig/controller/metrics_port",
+        "value must be 0",
+    ),
+    # The model comes from model.*; bad sources and incomplete combinations name the field.
+    ({"model": {"source": "s3"}}, "/model/source", "'tiny', 'pvc', 'hostPath', 'download'"),
+    ({"model": {"source": "pvc"}}, "/model/pvc/claimName", "minLength"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "My_Models"}}}, "/model/pvc/claimName", ""),
+    ({"model": {"source": "hostPath"}}, "/model/hostPath/path", "minLength"),
+    ({"model": {"source": "hostPath", "hostPath": {"path": "models"}}}, "/model/hostPath/path", ""),
+    ({"model": {"source": "download"}}, "/model/download/repo", "minLength"),
+    (
+        {"model": {"source": "download", "download": {"repo": "no-owner"}}},
+        "/model/download/repo",
+        "",
+    ),
+    (
+        {
+            "model": {
+                "source": "download",
+                "download": {"repo": "a/b", "tokenSecret": {"name": "Bad"}},
+            }
+        },
+        "/model/download/tokenSecret/name",
+        "",
+    ),
+    ({"model": {"folder": "../etc"}}, "/model/folder", ""),
+    ({"model": {"mountPath": "models"}}, "/model/mountPath", ""),
+    (
+        {"runConfig": {"trainer": {"model_path": "/data/m"}}},
+        "/runConfig/trainer/model_path",
+        "remove runConfig.trainer.model_path",
+    ),
+    (
+        {"runConfig": {"generator": {"model_path": "/data/m"}}},
+        "/runConfig/generator/model_path",
+        "remove runConfig.generator.model_path",
+    ),
+    # Features from other charts.
+    ({"workers": {"runtimeClassName": "Nvidia"}}, "/workers/runtimeClassName", ""),
+    ({"controller": {"runtimeClassName": "-x"}}, "/controller/runtimeClassName", ""),
+    (
+        {"workers": {"topologySpreadConstraints": [{"maxSkew": 1}]}},
+        "/workers/topologySpreadConstraints/0",
+        "missing properties 'topologyKey', 'whenUnsatisfiable'",
+    ),
+    (
+        {"monitoring": {"serviceMonitor": {"interval": "30"}}},
+        "/monitoring/serviceMonitor/interval",
+        "",
+    ),
+    (
+        {"monitoring": {"podMonitor": {"enabled": "yes"}}},
+        "/monitoring/podMonitor/enabled",
+        "boolean",
+    ),
+    ({"networkPolicy": {"metricsFrom": "everyone"}}, "/networkPolicy/metricsFrom", "array"),
+    ({"auth": {"existingSecret": "Run_Secret"}}, "/auth/existingSecret", ""),
+    ({"auth": {"secretKey": "a key"}}, "/auth/secretKey", ""),
 ]
 
 

@@ -15,8 +15,39 @@ Resource name prefix: the release name (or fullnameOverride). At most 40 charact
 {{- define "podrl.configName" -}}{{ include "podrl.fullname" . }}-config{{- end -}}
 {{- define "podrl.gpuClaimTemplateName" -}}{{ include "podrl.fullname" . }}-worker-gpus{{- end -}}
 
-{{- define "podrl.runStateClaimName" -}}
-{{- default (printf "%s-run-state" (include "podrl.fullname" .)) .Values.persistence.existingClaim -}}
+{{/* The controller's run-state claim (the workers' claims come from volumeClaimTemplates). */}}
+{{- define "podrl.controllerStateClaimName" -}}
+{{- default (printf "%s-controller-state" (include "podrl.fullname" .)) .Values.persistence.controller.existingClaim -}}
+{{- end -}}
+
+{{/* The Secret holding the run's shared secret: auth.existingSecret or the chart's own. */}}
+{{- define "podrl.runSecretName" -}}
+{{- default (printf "%s-run-secret" (include "podrl.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Where every service container finds the run's shared secret. */}}
+{{- define "podrl.runSecretDir" -}}/var/run/secrets/podrl{{- end -}}
+{{- define "podrl.runSecretFile" -}}{{ include "podrl.runSecretDir" . }}/run-secret{{- end -}}
+
+{{/* The model folder the trainer and the generator load (model.mountPath + model.folder). */}}
+{{- define "podrl.modelPath" -}}
+{{- $mount := trimSuffix "/" .Values.model.mountPath -}}
+{{- if .Values.model.folder -}}
+{{- printf "%s/%s" $mount (trimAll "/" .Values.model.folder) -}}
+{{- else -}}
+{{- $mount -}}
+{{- end -}}
+{{- end -}}
+
+{{/* values.runConfig with the model folder set for the trainer and the generator. */}}
+{{- define "podrl.runConfig" -}}
+{{- $run := deepCopy .Values.runConfig -}}
+{{- range $service := list "trainer" "generator" -}}
+{{- $section := get $run $service | default dict -}}
+{{- $_ := set $section "model_path" (include "podrl.modelPath" $) -}}
+{{- $_ := set $run $service $section -}}
+{{- end -}}
+{{- toYaml $run -}}
 {{- end -}}
 
 {{- define "podrl.controllerServiceAccountName" -}}
@@ -31,8 +62,14 @@ Resource name prefix: the release name (or fullnameOverride). At most 40 charact
 {{/* Standard labels (app.kubernetes.io/*) of every object; pass (dict "root" $ "component" "x"). */}}
 {{- define "podrl.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
-{{ include "podrl.selectorLabels" . }}
+{{ include "podrl.podLabels" . }}
 app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+{{- end -}}
+
+{{/* Labels of pod templates and claim templates: no chart or app version, so that a chart
+bump alone restarts no pod (a changed run config still does, through checksum/config). */}}
+{{- define "podrl.podLabels" -}}
+{{ include "podrl.selectorLabels" . }}
 app.kubernetes.io/part-of: podrl
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
@@ -107,6 +144,73 @@ seccompProfile:
   value: /tmp/.cache
 - name: PYTHONUNBUFFERED
   value: "1"
+- name: PODRL_RUN_SECRET_FILE
+  value: {{ include "podrl.runSecretFile" . | quote }}
+# No usage reports to vLLM or other tools' telemetry (air-gapped clusters; also set in images).
+- name: VLLM_NO_USAGE_STATS
+  value: "1"
+- name: DO_NOT_TRACK
+  value: "1"
+{{- end -}}
+
+{{/* The run secret's volume (pod spec) and mount (container); see podrl.runSecretName. */}}
+{{- define "podrl.runSecretVolume" -}}
+- name: run-secret
+  secret:
+    secretName: {{ include "podrl.runSecretName" . }}
+    items:
+      - key: {{ .Values.auth.secretKey }}
+        path: run-secret
+    # Owner and fsGroup may read it; nobody else.
+    defaultMode: 0440
+{{- end -}}
+{{- define "podrl.runSecretMount" -}}
+- name: run-secret
+  mountPath: {{ include "podrl.runSecretDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/* Does gpu.count fit what the pod runs on its GPUs? The trainer runs dp_shard × tp ranks,
+one GPU each, and the generator tensor_parallel_size GPUs, on the same devices. Fails with the
+fields to change. In DRA mode, GPUs nobody uses are refused too (the claim would hold them). */}}
+{{- define "podrl.checkGpuCount" -}}
+{{- if ne .Values.gpu.mode "none" -}}
+{{- $run := .Values.runConfig -}}
+{{- $count := int .Values.gpu.count -}}
+{{- $dp := int (dig "trainer" "dp_shard" 1 $run) -}}
+{{- $tp := int (dig "trainer" "tp" 1 $run) -}}
+{{- $ranks := mul $dp $tp -}}
+{{- $generatorTp := int (dig "generator" "tensor_parallel_size" 1 $run) -}}
+{{- if lt $count $ranks -}}
+{{- fail (printf "gpu.count=%d is too small: the trainer runs runConfig.trainer.dp_shard x runConfig.trainer.tp = %d x %d = %d ranks, one GPU each; set gpu.count to at least %d or lower dp_shard/tp" $count $dp $tp $ranks $ranks) -}}
+{{- end -}}
+{{- if lt $count $generatorTp -}}
+{{- fail (printf "gpu.count=%d is too small: runConfig.generator.tensor_parallel_size=%d needs %d GPUs; set gpu.count to at least %d or lower tensor_parallel_size" $count $generatorTp $generatorTp $generatorTp) -}}
+{{- end -}}
+{{- $used := max $ranks $generatorTp -}}
+{{- if and (eq .Values.gpu.mode "dra") (gt $count $used) -}}
+{{- fail (printf "gpu.count=%d but the pod uses %d GPUs (runConfig.trainer.dp_shard x runConfig.trainer.tp = %d, runConfig.generator.tensor_parallel_size = %d); the claim would hold %d GPUs nobody uses: set gpu.count=%d or raise those fields" $count $used $ranks $generatorTp (sub $count $used) $used) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Combinations of values the schema cannot express; each failure names the fields. */}}
+{{- define "podrl.checkValues" -}}
+{{- include "podrl.checkGpuCount" . -}}
+{{- $stateMount := trimSuffix "/" .Values.persistence.mountPath -}}
+{{- $runDir := toString .Values.runConfig.run_dir -}}
+{{- if not (hasPrefix (printf "%s/" $stateMount) $runDir) -}}
+{{- fail (printf "runConfig.run_dir=%s is not below persistence.mountPath=%s: the controller and the trainer would write on their read-only root filesystems; set run_dir to a folder below %s" $runDir $stateMount $stateMount) -}}
+{{- end -}}
+{{- $modelMount := trimSuffix "/" .Values.model.mountPath -}}
+{{- range $taken := list "/etc/podrl" "/tmp" "/dev/shm" (include "podrl.runSecretDir" .) $stateMount -}}
+{{- if or (eq $modelMount $taken) (hasPrefix (printf "%s/" $modelMount) $taken) (hasPrefix (printf "%s/" $taken) $modelMount) -}}
+{{- fail (printf "model.mountPath=%s overlaps %s, which the worker containers already mount: choose another model.mountPath (default /models)" $modelMount $taken) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.monitoring.serviceMonitor.enabled .Values.monitoring.podMonitor.enabled -}}
+{{- fail "monitoring.serviceMonitor.enabled and monitoring.podMonitor.enabled are both true: Prometheus would scrape every target twice; enable one of them" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Is DRA mode usable on the target cluster? Fails with the fix when it is not. */}}

@@ -17,6 +17,10 @@ from podrl.config.models import RunConfig
 
 ENV_PREFIX = "PODRL_"
 ENV_NESTING = "__"
+# PODRL_* variables that are not run-config overrides: the config file itself, the file
+# holding the run's shared secret (mounted by the Helm chart; read by the services' auth), and
+# the fault plan of chaos tests (podrl.common.faults).
+NOT_OVERRIDES = frozenset({"PODRL_CONFIG", "PODRL_RUN_SECRET_FILE", "PODRL_FAULTS"})
 
 
 class ConfigError(ValueError):
@@ -30,7 +34,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """
     overrides: dict[str, Any] = {}
     for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX) or key == "PODRL_CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in NOT_OVERRIDES:
             continue
         path = [part.lower() for part in key[len(ENV_PREFIX) :].split(ENV_NESTING)]
         value: Any = raw

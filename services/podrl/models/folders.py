@@ -2,6 +2,11 @@
 
 The trainer and the generator of a pod both resolve `<run_dir>/models/tiny` when no model is
 configured and may start together: whichever comes first writes it, the other uses it.
+
+Nothing is written unless the caller allows the tiny model (``create_tiny_model_if_missing``).
+A folder that cannot be read or written (a read-only mount, a read-only root filesystem, no
+permission) is a ModelFolderError naming the config field, never a bare OSError: on Kubernetes
+a bare OSError is a crash with a traceback, a ConfigError is exit code 2 with the fix.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ class ModelFolderError(ConfigError):
     (a ConfigError, so the service exits with code 2 and the message)."""
 
 
+def _has_model(path: Path, field: str) -> bool:
+    try:
+        return (path / "config.json").is_file()
+    except OSError as err:  # e.g. EACCES on a folder of another user
+        raise ModelFolderError(
+            f"{field}: cannot read {path}: {err.strerror}; make the folder readable by the "
+            "service's user or point the field at another model folder"
+        ) from None
+
+
 def ensure_model_folder(
     path: Path, create_tiny_model_if_missing: bool, field: str = "generator.model_path"
 ) -> Path:
@@ -29,9 +44,10 @@ def ensure_model_folder(
 
     The tiny model is written into a temporary sibling folder and renamed into place, so a
     trainer and a generator starting together never read a half-written folder (the loser of
-    the rename race uses the winner's identical files).
+    the rename race uses the winner's identical files). Raises ModelFolderError (naming
+    ``field``) when the folder has no model and may not, or cannot, be written.
     """
-    if (path / "config.json").is_file():
+    if _has_model(path, field):
         return path
     if not create_tiny_model_if_missing:
         raise ModelFolderError(
@@ -40,8 +56,15 @@ def ensure_model_folder(
         )
     from podrl.models.tiny import make_tiny_model  # torch + transformers: import late
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    except OSError as err:
+        raise ModelFolderError(
+            f"{field}: {path} has no model and the tiny model cannot be written there "
+            f"({err.strerror}: {err.filename}); point {field} at a folder that holds a model "
+            "(a read-only mount is fine), or at a writable folder for the tiny model"
+        ) from None
     try:
         make_tiny_model(staging)
         try:
@@ -50,6 +73,11 @@ def ensure_model_folder(
         except OSError:
             if not (path / "config.json").is_file():
                 raise
+    except OSError as err:
+        raise ModelFolderError(
+            f"{field}: writing the tiny model to {path} failed ({err.strerror}: "
+            f"{err.filename}); free space or fix the folder's permissions"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path

@@ -33,6 +33,9 @@ MANIFEST_DIR = REPO_ROOT / "k8s"
 RELEASE = "podrl"
 NAMESPACE = "podrl"
 KUBE_VERSION = "1.35.0"
+# The plain manifests name a Secret the user creates (see the k8s/ file headers): a chart-made
+# random secret would be committed to git and differ on every render.
+RUN_SECRET = "podrl-run-secret"
 
 
 class HelmError(RuntimeError):
@@ -103,11 +106,16 @@ def parse_objects(text: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class ManifestVariant:
-    """One file under k8s/: the chart rendered with these values."""
+    """One file under k8s/: the chart rendered with these values (plus ``auth``, below)."""
 
     filename: str
     description: str
     values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chart_values(self) -> dict[str, Any]:
+        """The values ``helm template`` gets: the variant's, with the user-made run Secret."""
+        return {**self.values, "auth": {"existingSecret": RUN_SECRET}}
 
 
 VARIANTS: tuple[ManifestVariant, ...] = (
@@ -127,7 +135,7 @@ VARIANTS: tuple[ManifestVariant, ...] = (
             "gpu": {"mode": "none"},
             "images": {"variant": "cpu"},
             "runConfig": {"device": "cpu"},
-            "persistence": {"accessModes": ["ReadWriteOnce"], "size": "10Gi"},
+            "persistence": {"controller": {"size": "2Gi"}, "workers": {"size": "10Gi"}},
             "workers": {
                 "shmSizeLimit": "2Gi",
                 "trainer": {"resources": {"requests": {"cpu": "1", "memory": "4Gi"}}},
@@ -141,14 +149,15 @@ VARIANTS: tuple[ManifestVariant, ...] = (
 
 def render_variant(variant: ManifestVariant) -> str:
     """The committed text of one k8s/ file: a header plus ``helm template`` output."""
-    body = helm_template(variant.values, skip_tests=True)
+    body = helm_template(variant.chart_values, skip_tests=True)
     header = (
         f"# {variant.description}.\n"
         f"# Generated from helm/podrl by `python -m podrl.tools.render_k8s` (make k8s); do not\n"
         f"# edit by hand. Release {RELEASE!r}, namespace {NAMESPACE!r}:\n"
         f"#   kubectl create namespace {NAMESPACE}\n"
+        f"#   kubectl -n {NAMESPACE} create secret generic {RUN_SECRET} \\\n"
+        f'#     --from-literal=run-secret="$(openssl rand -hex 32)"\n'
         f"#   kubectl apply -n {NAMESPACE} -f k8s/{variant.filename}\n"
-        f"#   kubectl -n {NAMESPACE} scale statefulset {RELEASE}-worker --replicas=N\n"
     )
     return header + body
 
