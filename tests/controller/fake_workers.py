@@ -178,8 +178,11 @@ def reference_then_wrong(prompt: common_pb2.Prompt, index: int) -> str:
 class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     complete: Callable[[common_pb2.Prompt, int], str] = reference_then_wrong
     version: int = 0
+    weight_state: str = "idle"
     generated: list[str] = field(default_factory=list)
     """Prompt ids of every Generate call, in order."""
+    applied: list[weights_pb2.WeightManifest] = field(default_factory=list)
+    """Every manifest ApplyWeights got, in order."""
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -207,13 +210,20 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     def ApplyWeights(
         self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
     ) -> generator_pb2.ApplyWeightsResponse:
-        self.version = request.manifest.version
+        self.applied.append(request.manifest)
+        if request.manifest.version_only and self.weight_state == "needs_full":
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "the generator needs a full manifest"
+            )
+        self.version, self.weight_state = request.manifest.version, "idle"
         return generator_pb2.ApplyWeightsResponse(policy_version=self.version)
 
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:
-        return generator_pb2.GeneratorInfo(policy_version=self.version, weight_state="idle")
+        return generator_pb2.GeneratorInfo(
+            policy_version=self.version, weight_state=self.weight_state
+        )
 
 
 class FakePod:

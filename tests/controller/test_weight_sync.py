@@ -1,0 +1,65 @@
+"""Aligning generators: one whose weights are unsettled gets a full manifest even when it names
+the trainer's version (a failed or overrun ApplyWeights leaves it needing one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from podrl.config.transport import GrpcConfig
+from podrl.controller.clients import WorkerClients
+from podrl.controller.weight_sync import WeightSync
+from tests.controller.fake_workers import FakePod
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[FakePod]:
+    pod = FakePod(tmp_path / "checkpoints")
+    pod.trainer.version = pod.generator.version = 3
+    yield pod
+    pod.stop()
+
+
+@pytest.fixture
+def sync(pod: FakePod) -> Iterator[WeightSync]:
+    clients = WorkerClients(GrpcConfig())
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield WeightSync(clients, pool, lambda: pod.address, lambda: [pod.address])
+    clients.close()
+
+
+@pytest.mark.parametrize("state", ["needs_full", "applying"])
+def test_an_unsettled_generator_at_the_trainers_version_gets_a_full_manifest(
+    pod: FakePod, sync: WeightSync, state: str
+) -> None:
+    pod.generator.weight_state = state
+    sync.bring_generators_to(3)
+    assert [(m.version, m.version_only) for m in pod.generator.applied] == [(3, False)]
+    assert pod.generator.weight_state == "idle"
+    assert pod.trainer.acknowledged == [3]
+
+
+def test_a_settled_generator_at_the_trainers_version_is_left_alone(
+    pod: FakePod, sync: WeightSync
+) -> None:
+    sync.bring_generators_to(3)
+    assert pod.generator.applied == []
+    assert pod.trainer.acknowledged == [3]
+
+
+def test_a_generator_needing_a_full_manifest_mid_sync_is_sent_one(
+    pod: FakePod, sync: WeightSync
+) -> None:
+    sync.sync(3)  # the first publish is full; the generator caches it
+    pod.trainer.version = 4
+    pod.generator.weight_state = "needs_full"  # e.g. its last apply overran its deadline
+    sync.sync_with_retries(4, attempts=1)
+    assert [(m.version, m.version_only) for m in pod.generator.applied] == [
+        (3, False),
+        (4, True),  # refused: FAILED_PRECONDITION
+        (4, False),
+    ]
+    assert pod.generator.version == 4
