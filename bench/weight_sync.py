@@ -1,17 +1,26 @@
-"""Benchmark one trainer -> generator weight sync (ARCHITECTURE.md §4) on CPU or CUDA.
+"""Benchmark one trainer -> generator weight sync (docs/architecture.md, "Weights") on CPU or CUDA.
 
 Two processes: this one plays the trainer (holds random Qwen3-shaped weights), a spawned one
 plays the generator (vLLM's fused TP-1 layout: qkv_proj, gate_up_proj, in the target dtype).
-One sync is timed from "version ready" on the trainer to the generator's acknowledgment.
+One sync is timed from "version ready" on the trainer to the generator's acknowledgment, over a
+``multiprocessing`` Pipe. Not included: the gRPC hops (controller -> trainer PublishWeights,
+controller -> generator ApplyWeights, the acknowledgment), the trainer's rank-command
+broadcast/gather, vLLM itself (``collective_rpc`` into its workers, its reload path) and any
+contention with inference; the end-to-end sync through the services is measured separately.
 
   podrl       handles opened once, cached copy plan; a version-only manifest per step
-  per_param   (a) one handle per parameter, created and opened each step
-  buckets     (b) parameters packed into 1 GiB buckets, one handle per bucket, each step
+  per_param   (a) one handle per parameter, created and opened each step, every tensor copied
+              into the fused layout (vLLM's IPC weight-transfer engine, unpacked mode)
+  buckets     (b) verl's bucketed transfer: parameters packed back to back into one reused
+              bucket buffer, one reply per bucket (see BucketSender)
   memcpy      (c) one flat copy of the same bytes in one process (the bound)
 
+The baselines run as their implementations do: one receiver for the process's life, tensors
+copied eagerly (no CUDA graph), no plan kept from one sync to the next; only podrl caches.
+
 Before/after in one run: every shape runs twice, each time with its own generator process.
-``legacy`` is the previous path (full storage walk on publish, peer sources mapped on their own
-GPU, a one-stream CUDA graph); ``new`` the current one (cached storage check, peer sources
+``legacy`` is the previous podrl path (full storage walk on publish, peer sources mapped on their
+own GPU, a one-stream CUDA graph); ``new`` the current one (cached storage check, peer sources
 mapped on the generator's GPU, a graph forked over several streams). ``--variants`` picks.
 
 On CPU every handle is a POSIX shared-memory segment and the trainer copies into it (the CPU
@@ -23,12 +32,14 @@ publisher's staging copy); on CUDA podrl exports the parameters themselves by CU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -36,12 +47,23 @@ import torch
 
 from podrl.models.qwen3_shapes import QWEN3_SHAPES
 from podrl.v1 import weights_pb2
-from podrl.weights import ModelDescription, WeightReceiver, cuda_ipc, manifest, vllm_layout
-from podrl.weights.dtypes import parse_dtype
-from podrl.weights.plan import DEFAULT_COPY_STREAMS
+from podrl.weights import (
+    ModelDescription,
+    WeightReceiver,
+    codec,
+    cuda_ipc,
+    manifest,
+    shm,
+    vllm_layout,
+)
+from podrl.weights.architectures import TargetLayout, TargetTensor
+from podrl.weights.dtypes import element_size, from_wire, parse_dtype
+from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 from podrl.weights.publisher import ManifestAssembler, ShmStaging, WeightPublisher
 
-BUCKET_BYTES = 1 << 30
+# verl's default bucket: CheckpointEngineConfig.update_weights_bucket_megabytes = 2048
+# (verl/workers/config/rollout.py, verl-project/verl, formerly volcengine/verl).
+BUCKET_MIB = 2048
 MODES = ("podrl", "per_param", "buckets", "memcpy")
 COPY_VARIANTS = ("foreach_devsync", "loop_event", "plan")
 VARIANTS = ("legacy", "new")
@@ -62,24 +84,23 @@ def make_params(description: ModelDescription, dtype: torch.dtype, device: str) 
     }
 
 
-def per_step_manifest(
-    params: dict, version: int, bucket_bytes: int | None, keep: list
-) -> weights_pb2.WeightManifest:
-    """(a)/(b): fresh handles this step (one per parameter, or one per bucket)."""
+def per_param_manifest(params: dict, version: int, keep: list) -> weights_pb2.WeightManifest:
+    """(a): fresh handles this step, one per parameter, all in one message.
+
+    What vLLM's IPC weight-transfer engine ships per update in its unpacked mode
+    (``vllm/distributed/weight_transfer/ipc_engine.py``: ``reduce_tensor`` per parameter on the
+    trainer, ``rebuild_cuda_tensor`` + ``model.load_weights`` on the worker). On CPU each
+    parameter gets its own shared-memory segment, created and filled this step.
+    """
     local = manifest.local_shards(params)
-    shards = []
-    first = next(iter(params.values()))
-    if first.is_cuda:
-        if bucket_bytes is None:
-            tensors = [s.tensor for s in local]
-        else:
-            tensors = _pack_cuda(local, bucket_bytes, keep)
-        for shard, tensor in zip(local, tensors, strict=True):
-            storage = weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(tensor))
-            shards.append(shard.to_wire(storage, 0))
+    if next(iter(params.values())).is_cuda:
+        shards = [
+            s.to_wire(weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)), 0)
+            for s in local
+        ]
         torch.cuda.synchronize()
     else:
-        staging = ShmStaging(local, bucket_bytes or 1)  # 1 byte: a segment per parameter
+        staging = ShmStaging(local, 1)  # 1 byte: a segment per parameter
         staging.refresh(local)
         keep.append(staging)
         shards = [s.to_wire(h, 0) for s, h in zip(local, staging.handles, strict=True)]
@@ -88,19 +109,169 @@ def per_step_manifest(
     )
 
 
-def _pack_cuda(local: list, bucket_bytes: int, keep: list) -> list[torch.Tensor]:
-    views, bucket, used = [], None, 0
-    for shard in local:
-        nbytes = shard.tensor.numel() * shard.tensor.element_size()
-        if bucket is None or used + nbytes > bucket.numel():
-            bucket = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device="cuda")
-            keep.append(bucket)
-            used = 0
-        view = bucket[used : used + nbytes].view(shard.tensor.dtype).view(shard.tensor.shape)
-        view.copy_(shard.tensor)
-        views.append(view)
-        used += -(-nbytes // 256) * 256
-    return views
+class BucketSender:
+    """(b), the trainer side: verl's bucketed weight transfer, as verl runs it.
+
+    After ``BucketedWeightSender.async_send_weights`` in verl-project/verl (formerly
+    volcengine/verl) ``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py``, commit
+    018aa20d: per sync it allocates **one** bucket buffer and shares its handle, packs the
+    parameters into it back to back (no alignment) in order, and when the next parameter does
+    not fit it synchronizes, sends that bucket's metadata and waits for the receiver's reply
+    before it packs the next bucket into the same buffer. After the last bucket it frees the
+    buffer (``gc.collect``, ``ipc_collect``, ``empty_cache``). verl refuses a parameter larger
+    than the bucket (raise ``update_weights_bucket_megabytes``); here the bucket grows to the
+    largest parameter instead, and the size used is recorded. verl's extra round trip that
+    shares the buffer handle before the first bucket is left out (one pipe message, ~0.1 ms):
+    the handle travels with every bucket and the receiver opens it once per sync.
+    """
+
+    def __init__(self, params: dict, bucket_bytes: int) -> None:
+        self.local = manifest.local_shards(params)
+        self.cuda = self.local[0].tensor.is_cuda
+        largest = max(s.tensor.numel() * s.tensor.element_size() for s in self.local)
+        self.bucket_bytes = max(bucket_bytes, largest)
+        self.buckets = 0
+        self.cleanup_seconds = 0.0  # verl's end-of-sync cleanup on this side, last sync
+        self.last_reply: dict = {}  # the generator's stamps after the last bucket
+
+    def sync(self, conn, version: int) -> None:
+        """Send every parameter, bucket by bucket; returns after the last bucket's reply."""
+        if self.cuda:
+            device = self.local[0].tensor.device
+            buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+            base: weights_pb2.CudaIpcHandle | shm.SharedSegment = cuda_ipc.export_tensor(buffer)
+        else:
+            base = shm.SharedSegment(self.bucket_bytes)
+            buffer = base.data
+        try:
+            entries: list[weights_pb2.TensorShard] = []
+            offset, self.buckets = 0, 0
+            for shard in self.local:
+                nbytes = shard.tensor.numel() * shard.tensor.element_size()
+                if entries and offset + nbytes > self.bucket_bytes:
+                    self._send(conn, version, entries, last=False)
+                    entries, offset = [], 0
+                flat = shard.tensor.reshape(-1).view(torch.uint8)
+                buffer[offset : offset + nbytes].copy_(flat, non_blocking=True)
+                entries.append(shard.to_wire(self._storage(base, offset, nbytes), 0))
+                offset += nbytes
+            self._send(conn, version, entries, last=True)
+        finally:
+            started = time.perf_counter()
+            del buffer
+            if isinstance(base, shm.SharedSegment):
+                base.unlink()
+            gc.collect()
+            if self.cuda:
+                torch.cuda.ipc_collect()
+                torch.cuda.empty_cache()
+            self.cleanup_seconds = time.perf_counter() - started
+
+    @staticmethod
+    def _storage(base, offset: int, nbytes: int) -> weights_pb2.TensorStorage:
+        if isinstance(base, shm.SharedSegment):
+            return weights_pb2.TensorStorage(
+                shm=weights_pb2.ShmHandle(name=base.name, offset=offset, nbytes=nbytes)
+            )
+        handle = weights_pb2.CudaIpcHandle()
+        handle.CopyFrom(base)
+        handle.tensor_offset = offset
+        return weights_pb2.TensorStorage(cuda_ipc=handle)
+
+    def _send(self, conn, version: int, entries: list, *, last: bool) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()  # the packing copies are done before the receiver reads
+        bucket = weights_pb2.WeightManifest(version=version, shards=entries, publisher_id="bench")
+        conn.send_bytes((b"bucket_last|" if last else b"bucket|") + bucket.SerializeToString())
+        reply = conn.recv_bytes()
+        self.buckets += 1
+        if last:
+            self.last_reply = json.loads(reply)
+
+
+class BaselineReceiver:
+    """The generator side of both baselines: one object for the process's life.
+
+    Each message lists tensors by HF name with a storage handle. ``load`` opens the handles
+    (each once per sync, mapped on the destination GPU as vLLM's ``rebuild_cuda_tensor`` and
+    verl's ``rebuild_ipc`` do), clones the tensors first where verl does (a CUDA bucket, so the
+    buffer can be reused), and copies every tensor into its slices of vLLM's fused layout, what
+    ``model.load_weights`` does: eagerly, one ``copy_`` per slice, no CUDA graph, nothing kept
+    for the next sync.
+    """
+
+    def __init__(self, layout: TargetLayout, destinations: dict[str, torch.Tensor]) -> None:
+        self.destinations = destinations
+        gpus = {t.device.index for t in destinations.values() if t.is_cuda}
+        self.on_device = gpus.pop() if len(gpus) == 1 else None
+        self.targets_of: dict[str, dict[str, TargetTensor]] = defaultdict(dict)
+        for target in layout.values():
+            for piece in target.pieces:
+                self.targets_of[piece.hf_name][target.name] = target
+        self._opened: dict[str | bytes, object] = {}
+
+    def _open(self, shard: weights_pb2.TensorShard) -> torch.Tensor:
+        dtype = from_wire(shard.dtype)
+        shape = tuple(shard.local_shape)
+        if shard.storage.WhichOneof("kind") == "shm":
+            handle = shard.storage.shm
+            if handle.name not in self._opened:
+                self._opened[handle.name] = shm.open_segment_readonly(handle.name)
+            data = self._opened[handle.name]
+            return data[handle.offset : handle.offset + handle.nbytes].view(dtype).view(shape)
+        handle = shard.storage.cuda_ipc
+        if handle.handle not in self._opened:
+            self._opened[handle.handle] = cuda_ipc.open_storage(handle, on_device=self.on_device)
+        storage, index = self._opened[handle.handle]
+        tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+        offset = handle.tensor_offset // element_size(dtype)
+        return tensor.set_(storage, offset, shape, tuple(shard.stride))
+
+    def load(self, shards, *, clone: bool) -> CopyPlan:
+        """Open (and clone) this message's tensors; the returned plan copies them when run."""
+        sources: dict[str, list[SourceShard]] = defaultdict(list)
+        targets: dict[str, TargetTensor] = {}
+        for shard in shards:
+            tensor = self._open(shard)
+            if clone:
+                tensor = tensor.clone()
+            sources[shard.name].append(SourceShard(codec.shard_box(shard), tensor))
+            targets.update(self.targets_of[shard.name])
+        if clone:
+            torch.cuda.synchronize()
+        # A fused target whose other parts travel in another bucket gets no ops from this one.
+        return CopyPlan.compile(sources, targets, self.destinations, use_graph=False)
+
+    def receive_bucket(
+        self, conn, bucket: weights_pb2.WeightManifest, *, last: bool, clone: bool
+    ) -> float:
+        """One bucket of a :class:`BucketSender` sync, loaded into the destinations.
+
+        A bucket before the last is answered here: verl replies once it has cloned the bucket
+        (the sender then refills the buffer) and loads afterwards; without a clone (shared
+        memory, which ``tensor.to(cpu)`` does not copy) it must load before it replies. After
+        the last bucket the caller answers, once everything is loaded. Returns the seconds of
+        verl's end-of-sync cleanup (after the last bucket; 0 before it).
+        """
+        plan = self.load(bucket.shards, clone=clone)
+        if not last and clone:
+            conn.send_bytes(b"{}")
+        plan.run()
+        if not last and not clone:
+            conn.send_bytes(b"{}")
+        return self.end_sync(verl_cleanup=True) if last else 0.0
+
+    def end_sync(self, *, verl_cleanup: bool) -> float:
+        """Drop this sync's mappings (verl's receiver also collects and empties the cache);
+        returns the seconds it took."""
+        started = time.perf_counter()
+        self._opened.clear()
+        if verl_cleanup:
+            gc.collect()
+            if self.on_device is not None:
+                torch.cuda.ipc_collect()
+                torch.cuda.empty_cache()
+        return time.perf_counter() - started
 
 
 def _run_variant(plan, variant: str) -> None:
@@ -124,12 +295,6 @@ def _run_variant(plan, variant: str) -> None:
         else:  # "plan": what apply() runs (one CUDA graph on one GPU, else the loop)
             plan.launch()
     plan.wait()
-
-
-def _per_step(
-    version: int, keep: list, *, params: dict, bucket_bytes: int | None
-) -> weights_pb2.WeightManifest:
-    return per_step_manifest(params, version, bucket_bytes, keep)
 
 
 def receiver_options(variant: str) -> dict:
@@ -156,6 +321,7 @@ def generator_process(
     dst = {n: torch.zeros(t.shape, dtype=dtype, device=device) for n, t in layout.items()}
     options = receiver_options(variant)
     cached = WeightReceiver(description, layout=layout, device=device, **options)
+    baseline = BaselineReceiver(layout, dst)
     while True:
         message = conn.recv_bytes()
         received = time.perf_counter()
@@ -173,10 +339,16 @@ def generator_process(
             stamps["validated"] = time.perf_counter()
             _run_variant(plan, mode.split(b":", 1)[1].decode())
             cached.version = update.version
-        else:  # every step: a new receiver, handles opened and the plan compiled afresh
-            fresh = WeightReceiver(description, layout=layout, device=device, **options)
-            fresh.apply(update, dst)
-            del fresh
+        elif mode == b"per_param":  # every handle opened, every tensor copied, then dropped
+            baseline.load(update.shards, clone=False).run()
+            baseline.end_sync(verl_cleanup=False)
+        else:  # b"bucket" / b"bucket_last": verl's BucketedWeightReceiver + load_weights
+            last = mode == b"bucket_last"
+            clone = device.startswith("cuda")
+            cleanup = baseline.receive_bucket(conn, update, last=last, clone=clone)
+            if not last:
+                continue  # receive_bucket replied
+            stamps["cleanup"] = cleanup
         stamps["copied"] = time.perf_counter()
         if cached._cached is not None:  # what the cached plan turned into (for the record)
             plan = cached._cached.plan
@@ -311,10 +483,9 @@ def _run_variant_phase(
             return assembler.assemble(v, [part])
 
         runs = [("podrl", "podrl", podrl)]
-        if variant != "legacy" or args.variants == ["legacy"]:  # baselines once per shape
-            for label, bucket_bytes in (("per_param", None), ("buckets", BUCKET_BYTES)):
-                make = partial(_per_step, params=params, bucket_bytes=bucket_bytes)
-                runs.append((label, label, make))
+        baselines = variant != "legacy" or args.variants == ["legacy"]  # once per shape
+        if baselines:
+            runs.append(("per_param", "per_param", partial(per_param_manifest, params)))
         if cuda:  # the podrl sync again, apply() taken apart to time the copy variants
             variants = COPY_VARIANTS if variant == "legacy" else ("plan",)
             runs += [(f"staged_{v}", f"staged:{v}", podrl) for v in variants]
@@ -326,6 +497,26 @@ def _run_variant_phase(
                 result[key + "_stages_ms"] = {
                     k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]
                 }
+        if baselines:
+            sender = BucketSender(params, args.bucket_mib << 20)
+            stages = []
+            for _ in range(args.warmup + args.reps):
+                version += 1
+                started = time.perf_counter()
+                sender.sync(parent, version)
+                stages.append(
+                    {
+                        "total": time.perf_counter() - started,
+                        "trainer_cleanup": sender.cleanup_seconds,
+                        "generator_cleanup": sender.last_reply["cleanup"],
+                    }
+                )
+            stages = stages[args.warmup :]
+            result["buckets_ms"] = 1e3 * statistics.median(s["total"] for s in stages)
+            result["buckets_stages_ms"] = {
+                k: 1e3 * statistics.median(s[k] for s in stages) for k in stages[0]
+            }
+            result["bucket_bytes"], result["buckets_per_sync"] = sender.bucket_bytes, sender.buckets
         result[prefix + "plan"] = info
         publisher.close()
     finally:
@@ -356,6 +547,12 @@ def main(argv: list[str] | None = None) -> int:
         help="legacy (the previous sync path), new (the current one), or both (before/after)",
     )
     parser.add_argument("--layers", type=int, default=None, help="cut decoder layers (CPU runs)")
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=BUCKET_MIB,
+        help="bucket size of the buckets baseline (verl's update_weights_bucket_megabytes)",
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
