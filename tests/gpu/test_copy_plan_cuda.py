@@ -1,5 +1,5 @@
 """The CUDA copy plan on its own: the multi-stream graph and peer sources mapped on the
-destination GPU (issue 8 speed work) copy exactly what the eager loop copies."""
+destination GPU (the speed work of docs/cuda.md §3) copy exactly what the eager loop copies."""
 
 from __future__ import annotations
 

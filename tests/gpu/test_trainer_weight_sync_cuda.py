@@ -1,4 +1,4 @@
-"""The trainer and the weight sync on CUDA, end to end (ARCHITECTURE.md §3-4, issue 8).
+"""The trainer and the weight sync on CUDA, end to end (docs/architecture.md, docs/cuda.md §2).
 
 Real TrainerEngine ranks (FSDP2 and/or TP over NCCL, bf16 compute, fp32 master weights) train
 a Qwen3 with the real 0.6B widths, publish their FSDP2/TP shards in place by CUDA IPC and block

@@ -1,5 +1,5 @@
-"""CPU checks of the copy-plan and publisher speed-ups (issue 8): lane balancing and the cheap
-per-publish storage check still notice every storage change."""
+"""CPU checks of the copy-plan and publisher speed-ups (docs/cuda.md §3): lane balancing and the
+cheap per-publish storage check still notice every storage change."""
 
 from __future__ import annotations
 

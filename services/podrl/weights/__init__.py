@@ -1,4 +1,4 @@
-"""The weight-transfer protocol (ARCHITECTURE.md §4): trainer shards -> shared-memory handles
+"""The weight-transfer protocol (docs/architecture.md): trainer shards -> shared-memory handles
 -> generator copy plan. Imports torch, never vLLM. See docs/weights.md."""
 
 from podrl.weights.architectures import (
