@@ -149,3 +149,15 @@ def test_dual_clip_leaves_positive_advantages_and_moderate_ratios_alone():
     generator[0, 0] = LOGP[0][0] - 10.0  # huge ratio on an A > 0 token: the PPO clip caps it
     capped = policy_loss(logp, generator, adv, mask, _settings("dapo"), TOTALS)
     assert capped.loss.item() == pytest.approx(with_bound.loss.item(), abs=1e-6)
+
+
+def test_with_tis_the_dual_clip_never_acts():
+    logp, generator, adv, mask = _inputs()
+    generator[1, 1] = LOGP[1][1] - 10.0  # huge trainer/generator ratio, A < 0
+    losses = {
+        c: policy_loss(
+            logp, generator, adv, mask, _settings("dapo", tis_cap=2.0, clip_ratio_c=c), TOTALS
+        ).loss.item()
+        for c in (None, 3.0)
+    }
+    assert losses[3.0] == losses[None]  # the ratio is taken against the trainer itself: 1

@@ -34,7 +34,9 @@ def test_bad_values_name_the_field(env, field):
         load_config(None, env)
 
 
-def test_dual_clip_is_on_by_default_and_zero_turns_it_off():
+def test_dual_clip_is_on_by_default_and_zero_or_null_turns_it_off(tmp_path):
     assert load_config(None, {}).trainer.clip_ratio_c == 3.0
+    (tmp_path / "run.yaml").write_text("trainer:\n  clip_ratio_c: null\n")
+    assert load_config(tmp_path / "run.yaml", {}).trainer.clip_ratio_c is None
     assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "0"}).trainer.clip_ratio_c is None
     assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "2.5"}).trainer.clip_ratio_c == 2.5

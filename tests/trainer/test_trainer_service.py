@@ -136,6 +136,8 @@ def test_checkpoint_and_export_rpcs(service):
     assert (loaded.step, loaded.policy_version) == (saved.step, saved.policy_version)
     # The weights came back on every rank, not only the counters.
     assert _exported_weights(stub, tmp / "loaded") == saved_weights
+    # The last Train's stored reply belongs to weights that are gone.
+    assert not stub.Info(common_pb2.InfoRequest(), timeout=10).HasField("last_train")
     exported = stub.ExportHF(trainer_pb2.ExportHFRequest(), timeout=120)
     assert "model.safetensors" in exported.files and "config.json" in exported.files
 

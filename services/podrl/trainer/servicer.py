@@ -1,7 +1,18 @@
 """gRPC Trainer service (rank 0). Each RPC that changes or reads sharded state runs on every
 rank through the rank command loop; validation happens here first, so a bad request never
 reaches the other ranks. PublishWeights/AcknowledgeWeights run the weight-transfer layer's
-commands (``podrl.weights.trainer_weight_sync``)."""
+commands (``podrl.weights.trainer_weight_sync``).
+
+Train (docs/trainer.md):
+
+* all or nothing over every rank (``TrainerEngine.train_step``): a rank failing before the
+  optimizer step → ABORTED, nothing changed anywhere, the batch may be sent again; any other
+  failure → INTERNAL;
+* idempotent by ``TrainRequest.batch_id``: the batch applied last is answered with its stored
+  reply and trains nothing; a retry sent while the first call runs waits for it (the lock);
+* every RPC that runs a command holds one lock, so PublishWeights/AcknowledgeWeights never land
+  between a Train's gate check and its step.
+"""
 
 from __future__ import annotations
 
@@ -71,6 +82,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 context.abort(code, str(err))
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
         reply = replies[0]
+        # A guard, not a path the step is known to take: ranks must end at one step/version.
         positions = [(r.step, r.policy_version) for r in replies]
         if len(set(positions)) > 1:
             detail = ", ".join(

@@ -11,6 +11,12 @@ On GPUs the FSDP2 parameters are published in place, so a Train is refused up fr
 hook guards the parameters as a last line (``ack_timeout`` seconds, then the step fails rather
 than overwrite weights a generator may be reading). On CPUs the staging
 copy makes the step safe; only the next publish waits for the acknowledgement.
+
+The trainer's servicer checks the gate under the lock that PublishWeights and
+AcknowledgeWeights also take, so no publication lands between the check and the step and the
+hook never waits in the service; it does when ``TrainerEngine.train_step`` is driven directly
+(tests/gpu). The hook runs inside ``optimizer.step``, after the ranks agreed to step, so a wait
+that times out there is outside Train's all-or-nothing rule: the gate is what keeps it away.
 """
 
 from __future__ import annotations
