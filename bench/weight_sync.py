@@ -208,7 +208,7 @@ class BaselineReceiver:
         for target in layout.values():
             for piece in target.pieces:
                 self.targets_of[piece.hf_name][target.name] = target
-        self._opened: dict[str | bytes, object] = {}
+        self._opened: dict[str | tuple[bytes, int], object] = {}
 
     def _open(self, shard: weights_pb2.TensorShard) -> torch.Tensor:
         dtype = from_wire(shard.dtype)
@@ -220,9 +220,12 @@ class BaselineReceiver:
             data = self._opened[handle.name]
             return data[handle.offset : handle.offset + handle.nbytes].view(dtype).view(shape)
         handle = shard.storage.cuda_ipc
-        if handle.handle not in self._opened:
-            self._opened[handle.handle] = cuda_ipc.open_storage(handle, on_device=self.on_device)
-        storage, index = self._opened[handle.handle]
+        # One CUDA allocation can hold several storages (torch's caching allocator carves them
+        # out of one segment): a storage is its segment's handle plus its offset in it.
+        key = (handle.handle, handle.offset)
+        if key not in self._opened:
+            self._opened[key] = cuda_ipc.open_storage(handle, on_device=self.on_device)
+        storage, index = self._opened[key]
         tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
         offset = handle.tensor_offset // element_size(dtype)
         return tensor.set_(storage, offset, shape, tuple(shard.stride))
