@@ -80,6 +80,8 @@ class ImageConfig:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     user: str = ""
+    runs: list[str] = field(default_factory=list)
+    """The RUN commands that built it, base stages first."""
 
 
 def _dockerfile_instructions(text: str) -> list[tuple[str, str]]:
@@ -159,6 +161,8 @@ def image_config(dockerfile: Path, build_args: Mapping[str, str]) -> ImageConfig
                 config.workdir = str(Path(config.workdir) / _substitute(rest, stage_args))
             elif keyword == "USER":
                 config.user = rest
+            elif keyword == "RUN":
+                config.runs.append(_substitute(rest, stage_args))
             elif keyword == "ENTRYPOINT":
                 config.entrypoint = json.loads(rest)
                 config.cmd = []  # a new ENTRYPOINT resets an inherited CMD

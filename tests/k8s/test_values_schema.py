@@ -193,3 +193,28 @@ def test_default_run_config_is_a_valid_podrl_run_config(tmp_path) -> None:
     config = load_config(path, env={})
     assert config.name == defaults["runConfig"]["name"]
     assert str(config.run_dir).startswith(defaults["persistence"]["mountPath"])
+
+
+def _allowed_range(node: dict[str, Any]) -> tuple[int, int]:
+    if "const" in node:
+        return node["const"], node["const"]
+    return node["minimum"], node["maximum"]
+
+
+def test_port_fields_allow_exactly_what_the_services_accept() -> None:
+    """A port the service would refuse at start (exit 2, crash loop) is refused at install."""
+    from annotated_types import Ge, Le
+
+    from podrl.config import RunConfig
+
+    sections = _schema()["properties"]["runConfig"]["properties"]
+    checked = []
+    for service in ("controller", "generator", "grader", "trainer"):
+        fields = RunConfig.model_fields[service].annotation.model_fields
+        for name, node in sections[service]["properties"].items():
+            if not name.endswith("_port"):
+                continue
+            bounds = {type(m): m for m in fields[name].metadata}
+            assert _allowed_range(node) == (bounds[Ge].ge, bounds[Le].le), f"{service}.{name}"
+            checked.append(f"{service}.{name}")
+    assert "controller.metrics_port" in checked and len(checked) == 9

@@ -88,6 +88,23 @@ def helm_template(
     return run_helm(args, values)
 
 
+def helm_notes(
+    values: Mapping[str, Any] | None = None,
+    *,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+    chart: Path = CHART_DIR,
+) -> str:
+    """What ``helm install`` prints after installing (NOTES.txt), from a client-side dry run
+    (helm's built-in Kubernetes version; `helm install` has no --kube-version)."""
+    args = ["install", release, str(chart), "--namespace", namespace, "--dry-run=client"]
+    out = run_helm(args, values)
+    notes = out.partition("\nNOTES:\n")[2]
+    if not notes:
+        raise HelmError(args, f"no NOTES in the output of helm {' '.join(args)}:\n{out}")
+    return notes
+
+
 def helm_lint(
     values: Mapping[str, Any] | None = None,
     *,
