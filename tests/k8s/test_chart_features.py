@@ -7,6 +7,7 @@ bump, telemetry off, and NOTES.txt. Rendered with the real helm binary; the new 
 from __future__ import annotations
 
 import base64
+import copy
 import shutil
 import string
 import subprocess
@@ -23,7 +24,9 @@ from podrl.tools.render_k8s import (
     helm_notes,
     helm_template,
     parse_objects,
+    run_helm,
 )
+from tests.k8s.fake_cluster import create, fake_cluster
 from tests.k8s.local_pod import VENV_BIN
 from tests.k8s.manifests import (
     KUBE_VERSIONS,
@@ -279,11 +282,29 @@ def test_an_existing_run_secret_is_used_and_none_is_rendered() -> None:
         assert volume["secret"]["items"] == [{"key": "token", "path": "run-secret"}]
 
 
-def test_the_run_secret_keeps_its_value_across_upgrades_through_lookup() -> None:
-    """`lookup` is only answered by a cluster; the template reuses what it returns."""
-    template = (CHART_DIR / "templates" / "run-secret.yaml").read_text()
-    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
-    assert "index $existing.data $key" in template
+def _template_against_cluster(kubeconfig: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`helm template` with ``lookup`` answered by the cluster in ``kubeconfig``."""
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    args = ["template", RELEASE, str(CHART_DIR), "--namespace", NAMESPACE]
+    args += ["--dry-run=server", "--disable-openapi-validation"]
+    return run_helm([*args, "--show-only", "templates/run-secret.yaml"])
+
+
+def test_the_run_secret_keeps_its_value_across_upgrades(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade renders the value the cluster holds (``lookup``); a first install, a new one."""
+    kinds = sorted({(o["apiVersion"], o["kind"]) for o in render({})})
+    installed = copy.deepcopy(find(render({}), "Secret"))  # what the first install created
+    installed["metadata"].setdefault("annotations", {}).update(
+        {"meta.helm.sh/release-name": RELEASE, "meta.helm.sh/release-namespace": NAMESPACE}
+    )
+    with fake_cluster(kinds, tmp_path) as (url, kubeconfig):
+        first = find(parse_objects(_template_against_cluster(kubeconfig, monkeypatch)), "Secret")
+        assert first["data"]["run-secret"] != installed["data"]["run-secret"]
+        create(url, installed)
+        upgrade = find(parse_objects(_template_against_cluster(kubeconfig, monkeypatch)), "Secret")
+    assert upgrade["data"] == installed["data"]
 
 
 # ---- scheduling: runtimeClassName, topology spread ------------------------------------------
