@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from podrl.config.base import ServiceSection
 
@@ -92,14 +92,33 @@ class GeneratorConfig(ServiceSection):
         "log_softmax of the model's logits (what the trainer computes; the GRPO behaviour "
         "policy); processed_logprobs = after temperature/top-k/top-p.",
     )
-    weight_apply_mode: Literal["auto", "direct", "reload"] = Field(
+    weight_apply_mode: Literal["auto", "in_place", "reload"] = Field(
         "auto",
-        description="How ApplyWeights writes into vLLM's workers. direct: the model's own "
-        "weight loaders copy into the parameters in place (plain tensors, e.g. unquantised "
-        "GPU weights). reload: vLLM's layer-wise reload (restore, load, re-process), needed "
-        "where the backend repacks weights after loading (CPU). auto: direct when every "
-        "parameter still has its loaded shape, else reload.",
+        description="How ApplyWeights writes into vLLM's workers. in_place: the copy plan "
+        "writes straight into vLLM's parameters (plain tensors, e.g. unquantised GPU "
+        "weights). reload: vLLM's layer-wise reload (restore, load, re-process), needed where "
+        "the backend repacks weights after loading (CPU). auto: in_place when every parameter "
+        "still has its loaded shape, else reload.",
     )
+    weight_apply_overrun_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="How long an ApplyWeights that passed its caller's deadline keeps holding "
+        "Generate back while vLLM's workers may still be writing. If they finish in time, "
+        "their version serves; if not, Generate is refused (FAILED_PRECONDITION, 'needs a "
+        "full manifest') until the next ApplyWeights has waited for them.",
+    )
+
+    @field_validator("weight_apply_mode", mode="before")
+    @classmethod
+    def _renamed_apply_mode(cls, value: object) -> object:
+        if value == "direct":
+            raise ValueError(
+                "'direct' is now called 'in_place' (copy into vLLM's parameters in place); "
+                "set generator.weight_apply_mode: in_place"
+            )
+        return value
+
     enable_sleep_mode: bool = Field(
         False,
         description="Let Sleep/WakeUp free and restore accelerator memory (vLLM sleep mode, "

@@ -9,6 +9,12 @@ Atomic weight swaps: a readers-writer lock surrounds engine use. Every generate 
 read side from submission to its last token, ApplyWeights the write side; a swap therefore waits
 for running generate calls, holds new ones back, and every sample is produced by exactly one
 policy version. After a swap the prefix cache is reset (its KV blocks came from the old weights).
+
+Which version that is belongs to the workers (``podrl.generator.weight_state``): the engine
+keeps no counter, only a mirror of the state the workers send back with every reply. An apply
+that passes its caller's deadline keeps the write lock while the workers may still be writing,
+for at most ``weight_apply_overrun_seconds`` more; after that the mirror says needs_full (Generate
+refused) until the next ApplyWeights has waited for that apply and re-read the workers' state.
 """
 
 from __future__ import annotations
@@ -25,8 +31,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator.manifest_check import AppliedWeights, check_manifest_order
+from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
+from podrl.generator.weight_state import (
+    NEEDS_FULL_HINT,
+    WeightApplyError,
+    WeightPhase,
+    WeightState,
+    combine,
+)
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import ManifestError, ManifestErrorKind
 
@@ -47,6 +60,10 @@ class SleepUnsupportedError(RuntimeError):
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked (e.g. prompt too long); the message says why."""
+
+
+class ApplyDeadlineError(TimeoutError):
+    """ApplyWeights passed its deadline (or an earlier apply that did is still running)."""
 
 
 @dataclass
@@ -114,9 +131,12 @@ class VllmEngine:
         self._trusted_publisher_id = trusted_publisher_id
         self._lock = ReadWriteLock()
         self._admission = threading.BoundedSemaphore(config.max_concurrent_requests)
-        self._applied = AppliedWeights(version=0, fingerprint=None)
+        # Mirror of the workers' weight state, replaced only from their replies (and set to
+        # needs_full while an apply they may still be running is unsettled).
+        self._weights = WeightState()
+        # An apply the engine stopped waiting for: (its future, its version).
+        self._unsettled: tuple[concurrent.futures.Future[Any], int] | None = None
         self._sleeping = 0  # 0 awake, else the sleep level
-        self._weights_dropped = False  # woke from level-2 sleep; a full manifest must follow
         self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -132,10 +152,12 @@ class VllmEngine:
         started = time.perf_counter()
         self._thread.start()
         self._engine = self._run(self._build(), self._config.engine_start_timeout_seconds)
-        described = self._run(
+        replies = self._run(
             self._engine.collective_rpc("podrl_describe", args=(self._config.weight_apply_mode,)),
             self._config.engine_start_timeout_seconds,
-        )[0]
+        )
+        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+        described = replies[0]
         from vllm.platforms import current_platform
 
         self.facts = EngineFacts(
@@ -203,7 +225,13 @@ class VllmEngine:
 
     @property
     def policy_version(self) -> int:
-        return self._applied.version
+        """The version served (needs_full: the last version completely applied)."""
+        return self._weights.version
+
+    @property
+    def weight_state(self) -> WeightState:
+        """The workers' weight state as last reported (see ``podrl.generator.weight_state``)."""
+        return self._weights
 
     @property
     def sleeping(self) -> bool:
@@ -221,26 +249,24 @@ class VllmEngine:
         on_cancel: Callable[[Callable[[], None]], None] | None = None,
     ) -> GenerateResult:
         """Sample ``sampling.n`` completions per prompt, all under one policy version."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         params = self._sampling_params(sampling)
-        if not self._admission.acquire(timeout=_remaining(deadline)):
+        if not self._admission.acquire(timeout=seconds_left(deadline)):
             raise LockTimeoutError("too many concurrent Generate calls; deadline passed waiting")
         try:
-            with self._lock.read(_remaining(deadline)):
+            with self._lock.read(seconds_left(deadline)):
                 if self._sleeping:
                     raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
-                if self._weights_dropped:
-                    raise GeneratorUnavailableError(
-                        "weights were dropped by a level-2 sleep; apply a full manifest first"
-                    )
-                version = self._applied.version
+                weights = self._weights
+                weights.require_servable()  # needs_full: no version to sample from
+                version = weights.version
                 future = asyncio.run_coroutine_threadsafe(
                     self._generate_all(prompts, params, request_id), self._loop
                 )
                 if on_cancel is not None:
                     on_cancel(future.cancel)
                 try:
-                    outputs = future.result(_remaining(deadline))
+                    outputs = future.result(seconds_left(deadline))
                 except concurrent.futures.TimeoutError:
                     future.cancel()  # AsyncLLM aborts requests whose stream is cancelled
                     raise
@@ -297,94 +323,135 @@ class VllmEngine:
     def apply_manifest(
         self, manifest: weights_pb2.WeightManifest, timeout: float | None, rollback: bool = False
     ) -> ApplyResult:
-        """Check ``manifest`` and write it into every worker; raises ``ManifestError``
-        (nothing applied) or ``LockTimeoutError``.
+        """Have every worker apply ``manifest``. Raises ``ManifestError`` (refused, nothing
+        written), ``WeightApplyError`` (failed; its ``state`` says whether the previous version
+        still serves or a full manifest is needed), ``ApplyDeadlineError`` or
+        ``LockTimeoutError``.
 
         Applying the version already served from the same storage again is a no-op success, so
         a caller that lost the reply can simply retry. ``rollback`` accepts an older version
         (the trainer restarted from a checkpoint): full manifests only, handles reopened."""
+        deadline = deadline_after(timeout)
         with self._lock.write(timeout):
             self._require_weights_resident()
-            applied = self._applied
-            if (
-                not rollback
-                and not self._weights_dropped
-                and manifest.version == applied.version
-                and applied.fingerprint is not None
-                and manifest.model_fingerprint == applied.fingerprint
-            ):
-                return ApplyResult(applied.version, 0.0, plan_cached=True, mode="unchanged")
-            if rollback:
-                if manifest.version_only:
-                    raise ManifestError(
-                        ManifestErrorKind.FINGERPRINT,
-                        "a rollback needs a full manifest; publish with force_full",
-                    )
-                self._release_worker_weights(timeout)
-                applied = AppliedWeights(version=-1, fingerprint=None)
-            elif self._weights_dropped:  # the same version may be applied again
-                applied = AppliedWeights(version=max(0, applied.version - 1), fingerprint=None)
-            check_manifest_order(manifest, applied)
-            payload = manifest.SerializeToString()
-            replies = self._run(
+            self._settle_unsettled_apply(deadline)
+            before = self._weights
+            self._weights = before.begin(manifest.version)
+            future = asyncio.run_coroutine_threadsafe(
                 self._engine.collective_rpc(
                     "podrl_apply_manifest",
-                    args=(payload, self._config.weight_apply_mode, self._trusted_publisher_id),
+                    args=(
+                        manifest.SerializeToString(),
+                        self._config.weight_apply_mode,
+                        self._trusted_publisher_id,
+                        rollback,
+                    ),
                 ),
-                timeout,
+                self._loop,
             )
-            result = self._commit(replies, manifest.version)
-            self._weights_dropped = False
-            if not manifest.version_only:
-                self._applied = AppliedWeights(
-                    version=manifest.version, fingerprint=manifest.model_fingerprint
+            try:
+                replies = self._await_apply(future, manifest.version, deadline)
+            except ApplyDeadlineError:
+                raise
+            except Exception as exc:
+                self._weights = before.needs_full(
+                    f"applying version {manifest.version}: the workers did not answer ({exc})"
                 )
-            else:
-                self._applied = AppliedWeights(
-                    version=manifest.version, fingerprint=self._applied.fingerprint
-                )
-            return result
+                raise
+            return self._commit(replies, manifest.version)
 
-    def apply_checkpoint(self, path: Path, version: int, timeout: float | None) -> ApplyResult:
-        """Load checkpoint-format weights (HF names) from a safetensors file as ``version``."""
-        with self._lock.write(timeout):
-            self._require_weights_resident()
-            if version <= self._applied.version:
-                raise ManifestError(
-                    ManifestErrorKind.STALE_VERSION,
-                    f"version {version} is not newer than {self._applied.version}",
-                )
-            replies = self._run(
-                self._engine.collective_rpc(
-                    "podrl_apply_safetensors", args=(str(path), self._config.weight_apply_mode)
-                ),
-                timeout,
+    def _await_apply(
+        self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
+    ) -> Any:
+        """The workers' replies. Past the deadline the write lock stays held (the workers may
+        still be writing) for the overrun; after that the apply is left unsettled and the
+        mirror says needs_full, so no Generate runs on weights of no known version."""
+        try:
+            return future.result(seconds_left(deadline))
+        except concurrent.futures.TimeoutError:
+            pass
+        overrun = self._config.weight_apply_overrun_seconds
+        passed = time.monotonic()
+        log.warning(
+            "applying version %d passed its deadline; Generate waits up to %.0fs more for the "
+            "workers to finish",
+            version,
+            overrun,
+        )
+        try:
+            replies = future.result(overrun)
+        except concurrent.futures.TimeoutError:
+            self._unsettled = (future, version)
+            self._weights = self._weights.needs_full(
+                f"applying version {version} passed its deadline and "
+                f"weight_apply_overrun_seconds ({overrun:g}); the workers may still be writing"
             )
-            result = self._commit(replies, version)
-            self._weights_dropped = False
-            # The shared-memory plan (if any) no longer describes the served weights.
-            self._applied = AppliedWeights(version=version, fingerprint=None)
-            return result
+            raise ApplyDeadlineError(
+                f"applying version {version} passed its deadline and {overrun:g}s of overrun; "
+                f"{NEEDS_FULL_HINT} (Generate is refused until one is applied)"
+            ) from None
+        log.warning(
+            "applying version %d finished %.1fs after its deadline",
+            version,
+            time.monotonic() - passed,
+        )
+        return replies
+
+    def _settle_unsettled_apply(self, deadline: float | None) -> None:
+        """Wait for an apply the engine stopped waiting for, then re-read the workers' state
+        (what that apply left is theirs to say)."""
+        if self._unsettled is None:
+            return
+        future, version = self._unsettled
+        try:
+            future.result(seconds_left(deadline))
+        except concurrent.futures.TimeoutError:
+            raise ApplyDeadlineError(
+                f"an earlier apply of version {version} is still running in the workers; "
+                f"{NEEDS_FULL_HINT} after it ended, retry"
+            ) from None
+        except Exception:
+            log.exception("the unsettled apply of version %d failed", version)
+        self._unsettled = None
+        states = self._run(
+            self._engine.collective_rpc("podrl_weight_state"), seconds_left(deadline)
+        )
+        self._weights = combine([WeightState.from_wire(s) for s in states])
+        # That apply may have changed the weights: KV blocks of the old ones must go.
+        self._run(self._engine.reset_prefix_cache(), 60)
+        log.info("the apply of version %d settled: %s", version, self._weights.describe())
 
     def _commit(self, replies: list[dict[str, Any]], version: int) -> ApplyResult:
-        for reply in replies:
-            if reply.get("error_kind"):
-                raise ManifestError(
-                    ManifestErrorKind(reply["error_kind"]),
-                    reply["error_message"],
-                    name=reply.get("error_name"),
-                )
-        self._run(self._engine.reset_prefix_cache(), 60)
+        """Mirror the workers' state; raise what went wrong, or return the result."""
+        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+        refused = [r for r in replies if r.get("error_kind")]
+        failed = [r for r in replies if r.get("apply_error")]
+        if refused and len(refused) == len(replies):
+            first = refused[0]
+            raise ManifestError(
+                ManifestErrorKind(first["error_kind"]),
+                first["error_message"],
+                name=first.get("error_name"),
+            )
+        if refused or failed:
+            causes = [r.get("apply_error") or r.get("error_message") for r in refused + failed]
+            if self._weights.phase is WeightPhase.NEEDS_FULL:
+                outcome = NEEDS_FULL_HINT
+            else:
+                outcome = f"version {self._weights.version} keeps serving; retry"
+            raise WeightApplyError(
+                f"applying version {version} failed in the workers ({'; '.join(causes)}); "
+                f"{outcome}",
+                self._weights,
+            )
+        if replies[0]["mode"] != "unchanged":
+            self._run(self._engine.reset_prefix_cache(), 60)
         return ApplyResult(
-            policy_version=version,
+            policy_version=self._weights.version,
             seconds=max(r["seconds"] for r in replies),
             plan_cached=all(r["plan_cached"] for r in replies),
             mode=replies[0]["mode"],
         )
-
-    def _release_worker_weights(self, timeout: float | None) -> None:
-        """Every worker drops its receiver (opened handles, cached plan, version)."""
-        self._run(self._engine.collective_rpc("podrl_release_weights"), timeout)
 
     def _require_weights_resident(self) -> None:
         if self._sleeping:
@@ -396,10 +463,12 @@ class VllmEngine:
         self._require_sleep_mode()
         if level not in (1, 2):
             raise InvalidRequestError("level must be 1 (offload weights) or 2 (drop weights)")
+        deadline = deadline_after(timeout)
         with self._lock.write(timeout):
             if self._sleeping:
                 return
-            self._run(self._engine.sleep(level), timeout)
+            self._settle_unsettled_apply(deadline)
+            self._run(self._engine.sleep(level), seconds_left(deadline))
             self._sleeping = level
 
     def wake_up(self, timeout: float | None) -> None:
@@ -409,11 +478,15 @@ class VllmEngine:
                 return
             self._run(self._engine.wake_up(), timeout)
             if self._sleeping == 2:
-                # Level 2 dropped the weights: only a full manifest can bring them back, and the
-                # workers' receivers must accept the served version once more.
-                self._release_worker_weights(timeout)
-                self._applied = AppliedWeights(version=self._applied.version, fingerprint=None)
-                self._weights_dropped = True
+                # Level 2 dropped the weights: only a full manifest can bring them back (of the
+                # version served before, or newer).
+                states = self._run(
+                    self._engine.collective_rpc(
+                        "podrl_drop_weights", args=("a level-2 sleep dropped the weights",)
+                    ),
+                    timeout,
+                )
+                self._weights = combine([WeightState.from_wire(s) for s in states])
             self._sleeping = 0
 
     def _require_sleep_mode(self) -> None:
@@ -450,9 +523,3 @@ def _prompt_completions(output: Any) -> PromptCompletions:
     return PromptCompletions(
         prompt_token_ids=list(output.prompt_token_ids), completions=completions
     )
-
-
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    return max(0.0, deadline - time.monotonic())

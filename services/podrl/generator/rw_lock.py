@@ -8,9 +8,10 @@ steady stream of generate calls cannot starve a weight update.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from podrl.generator.deadlines import deadline_after, seconds_left
 
 
 class LockTimeoutError(TimeoutError):
@@ -26,10 +27,10 @@ class ReadWriteLock:
 
     @contextmanager
     def read(self, timeout: float | None = None) -> Iterator[None]:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._cond:
             while self._writer or self._writers_waiting:
-                if not self._cond.wait(_remaining(deadline)):
+                if not self._cond.wait(seconds_left(deadline)):
                     raise LockTimeoutError("timed out waiting for a weight update to finish")
             self._readers += 1
         try:
@@ -42,12 +43,12 @@ class ReadWriteLock:
 
     @contextmanager
     def write(self, timeout: float | None = None) -> Iterator[None]:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._cond:
             self._writers_waiting += 1
             try:
                 while self._writer or self._readers:
-                    if not self._cond.wait(_remaining(deadline)):
+                    if not self._cond.wait(seconds_left(deadline)):
                         raise LockTimeoutError("timed out waiting for generate calls to finish")
             finally:
                 self._writers_waiting -= 1
@@ -59,9 +60,3 @@ class ReadWriteLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
-
-
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    return max(0.0, deadline - time.monotonic())

@@ -2,12 +2,17 @@
 
 Status codes:
 - Generate: INVALID_ARGUMENT for bad sampling values or prompts; UNAVAILABLE while the engine
-  loads; FAILED_PRECONDITION while asleep; DEADLINE_EXCEEDED when the caller's deadline passes
-  (the engine aborts the requests).
+  loads; FAILED_PRECONDITION while asleep or while the weight state is needs_full (the message
+  says "needs a full manifest"); DEADLINE_EXCEEDED when the caller's deadline passes (the engine
+  aborts the requests).
 - ApplyWeights: INVALID_ARGUMENT for a manifest that does not describe this model (names,
   shapes, dtypes, tiling); FAILED_PRECONDITION for a stale or out-of-order version, a
-  version-only manifest for unknown storage, an untrusted publisher or storage that cannot be
-  opened. In both cases nothing was written and the current weights keep serving.
+  version-only manifest for unknown storage or while needs_full, an untrusted publisher or
+  storage that cannot be opened: nothing was written, the weight state is unchanged.
+  A write that failed part-way answers FAILED_PRECONDITION "needs a full manifest" (the state
+  is needs_full; the controller then sends the full manifest), one that failed before vLLM's
+  parameters were touched ABORTED (the previous version keeps serving; retry).
+  DEADLINE_EXCEEDED when the apply passed its deadline (see ``VllmEngine``).
 - Sleep/WakeUp: FAILED_PRECONDITION where vLLM has no sleep mode (CPU) or it is switched off.
 """
 
@@ -28,6 +33,7 @@ from podrl.generator.engine import (
     VllmEngine,
 )
 from podrl.generator.rw_lock import LockTimeoutError
+from podrl.generator.weight_state import WeightApplyError, WeightPhase, WeightsNotServableError
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from podrl.weights.errors import ManifestError
 
@@ -100,7 +106,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             )
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except GeneratorUnavailableError as err:
+        except (GeneratorUnavailableError, WeightsNotServableError) as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except (TimeoutError, LockTimeoutError) as err:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"generate: {err or 'deadline'}")
@@ -138,6 +144,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except ManifestError as err:
             log.warning("manifest version %d rejected: %s", request.manifest.version, err)
             context.abort(err.status_code, str(err))
+        except WeightApplyError as err:
+            log.error("%s", err)
+            if err.state.phase is WeightPhase.NEEDS_FULL:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            context.abort(grpc.StatusCode.ABORTED, str(err))
         except GeneratorUnavailableError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except (TimeoutError, LockTimeoutError) as err:
@@ -181,7 +192,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:
         facts = self._engine.facts
+        weights = self._engine.weight_state
         details = {"state": "serving" if self._ready.is_set() else "loading"}
+        if weights.reason:
+            details["weight_state_reason"] = weights.reason
         if facts is not None:
             details |= {
                 "weight_apply_mode": facts.apply_mode,
@@ -202,4 +216,5 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             device=facts.device if facts else self._config.device,
             dtype=gen.dtype,
             sleeping=self._engine.sleeping,
+            weight_state=weights.phase.value,
         )

@@ -5,30 +5,47 @@ methods with ``collective_rpc``. Only plain values cross that boundary: a manife
 serialised protobuf bytes, results come back as dicts of numbers and strings. The tensors are
 read here, in the worker, straight from the trainer's shared memory.
 
+Each worker owns its :class:`~podrl.generator.weight_state.WorkerWeights`: the one record of
+which version its parameters hold. Every reply carries that state, and the engine only mirrors
+it. An apply commits its version after the copy *and* vLLM's load finished; one that fails
+before vLLM's parameters are touched leaves the previous version serving, one that fails after
+leaves ``needs_full``.
+
 Two ways to write weights, both vLLM's own code:
 
-* ``direct``: the model's ``load_weights`` (its per-parameter weight loaders slice for tensor
-  parallelism, fuse q/k/v and gate/up, cast, and copy in place). Right where parameters are plain
-  tensors that keep their loaded layout, e.g. unquantised weights on GPUs.
-* ``reload``: vLLM's layer-wise reload (``Worker.reload_weights`` with checkpoint-format
-  weights): restore each layer to its loaded layout, run the same weight loaders, run
-  ``process_weights_after_loading`` again (the CPU backend repacks linear weights there; its
-  parameters then show shape ``[0]`` and an in-place copy would change nothing) and copy the
-  result into the kernel tensors the engine already uses.
+* ``in_place``: the receiver's copy plan writes straight into vLLM's (fused, tensor-parallel)
+  parameters. Right where parameters are plain tensors that keep their loaded layout, e.g.
+  unquantised weights on GPUs.
+* ``reload``: the receiver fills full tensors in HF naming, then vLLM's layer-wise reload
+  (``Worker.reload_weights`` with checkpoint-format weights) restores each layer to its loaded
+  layout, runs the model's weight loaders, runs ``process_weights_after_loading`` again (the CPU
+  backend repacks linear weights there; its parameters then show shape ``[0]`` and an in-place
+  copy would change nothing) and copies the result into the kernel tensors the engine uses.
 
-``auto`` picks ``direct`` when every parameter still has the shape and dtype recorded when the
-model was loaded (vLLM records it for reloading), else ``reload``.
+``auto`` picks ``in_place`` when every parameter still has the shape and dtype recorded when
+the model was loaded (vLLM records it for reloading), else ``reload``.
+
+Fault points (``podrl.common.faults``, keyword ``version``): ``generator.apply_weights`` (an
+apply was admitted, nothing written yet), ``generator.after_copy`` (reload mode: the
+receiver's own buffers are filled, vLLM untouched), ``generator.reload`` (vLLM's reload has
+begun, before its first tensor), ``generator.mid_copy`` (reload mode: vLLM has loaded half the
+tensors; in_place mode: the copy into vLLM's parameters has run).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-APPLY_MODES = ("auto", "direct", "reload")
+from podrl.common import faults
+
+log = logging.getLogger(__name__)
+
+APPLY_MODES = ("auto", "in_place", "reload")
 
 
 def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
@@ -50,85 +67,138 @@ def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
     return changed
 
 
+def _with_faults(
+    tensors: list[tuple[str, torch.Tensor]], version: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors vLLM's loader consumes, with the fault points inside the load."""
+    faults.hit("generator.reload", version=version)
+    for index, item in enumerate(tensors):
+        if index == len(tensors) // 2:
+            faults.hit("generator.mid_copy", version=version)
+        yield item
+
+
 class PodrlWorkerExtension:
     """Mixed into vLLM's worker class; every method is prefixed ``podrl_`` to avoid clashes."""
 
     # Set lazily (vLLM constructs the worker; a mixin has no __init__ of its own).
     _podrl_receiver: Any = None
     _podrl_resolved_mode: str | None = None
+    _podrl_weights: Any = None
 
     # ---- what the service asks the workers -------------------------------------------------
 
     def podrl_describe(self, mode: str = "auto") -> dict[str, Any]:
-        """Device, the apply mode ``mode`` resolves to, and the live parameter shapes."""
+        """Device, the apply mode ``mode`` resolves to, the live parameter shapes, the state."""
         model = self.model_runner.get_model()
         return {
             "device": str(self.device),
             "apply_mode": self._podrl_resolve_mode(mode),
             "repacked": _tensors_changed_after_loading(model),
             "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
+            "state": self._podrl_state().state.to_wire(),
         }
 
+    def podrl_weight_state(self) -> dict[str, Any]:
+        """This worker's weight state (the engine re-reads it after an apply it stopped
+        waiting for)."""
+        return self._podrl_state().state.to_wire()
+
     def podrl_apply_manifest(
-        self, manifest_bytes: bytes, mode: str, trusted_publisher_id: str
+        self, manifest_bytes: bytes, mode: str, trusted_publisher_id: str, rollback: bool = False
     ) -> dict[str, Any]:
         """Apply a serialised ``podrl.v1.WeightManifest`` (full or version-only).
 
-        ``podrl.weights.WeightReceiver`` validates the manifest, opens its handles once per
-        fingerprint and runs its cached copy plan: in ``direct`` mode straight into vLLM's
-        (fused, tensor-parallel) parameters, in ``reload`` mode into full HF-named buffers that
-        vLLM's layer-wise reload then loads. A rejected manifest returns
-        ``{"error_kind", "error_message", "error_name"}`` (typed errors do not survive
-        ``collective_rpc``); nothing has been written then.
+        The weight state admits it (version order, fingerprint, needs_full), then
+        ``podrl.weights.WeightReceiver`` validates its content, opens its handles once per
+        fingerprint and runs its cached copy plan: in ``in_place`` mode straight into vLLM's
+        parameters, in ``reload`` mode into full HF-named buffers that vLLM's layer-wise reload
+        then loads. ``rollback`` accepts an older version (full manifests only) and reopens
+        every handle.
+
+        Returns ``{"mode", "plan_cached", "seconds", "state"}``; a refused manifest returns
+        ``{"error_kind", "error_message", "error_name", "state"}`` (nothing written), a failed
+        apply ``{"apply_error", "state"}`` (typed errors do not survive ``collective_rpc``).
         """
+        from podrl.generator.weight_state import Admission
         from podrl.v1 import weights_pb2
         from podrl.weights.errors import ManifestError
 
         manifest = weights_pb2.WeightManifest.FromString(manifest_bytes)
-        resolved = self._podrl_resolve_mode(mode)
-        receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
+        weights = self._podrl_state()
         start = time.perf_counter()
         try:
-            if resolved == "direct":
-                params = dict(self.model_runner.get_model().named_parameters())
-                applied = receiver.apply(manifest, destinations=params)
-            else:
-                applied = receiver.apply(manifest)
+            if weights.state.admit(manifest, rollback) is Admission.UNCHANGED:
+                return {
+                    "mode": "unchanged",
+                    "plan_cached": True,
+                    "seconds": 0.0,
+                    "state": weights.state.to_wire(),
+                }
+            resolved = self._podrl_resolve_mode(mode)
+            if rollback:  # the trainer restarted: its storage is new, reopen everything
+                self.podrl_release_weights()
+            receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
+            # A refusal from the receiver comes before it writes anything: the block then
+            # leaves the state as it was.
+            with weights.applying(manifest.version, manifest.model_fingerprint) as guard:
+                faults.hit("generator.apply_weights", version=manifest.version)
+                if resolved == "in_place":
+                    params = dict(self.model_runner.get_model().named_parameters())
+                    copied = receiver.apply(
+                        manifest, destinations=params, before_copy=guard.touching_served_weights
+                    )
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    faults.hit("generator.mid_copy", version=manifest.version)
+                else:
+                    copied = receiver.apply(manifest)
+                    faults.hit("generator.after_copy", version=manifest.version)
+                    guard.touching_served_weights()
+                    self._podrl_reload(_with_faults(copied.tensors, manifest.version))
         except ManifestError as err:
-            return {"error_kind": err.kind.value, "error_message": str(err), "error_name": err.name}
-        if resolved == "reload":
-            self._podrl_write(iter(applied), "reload")
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            return {
+                "error_kind": err.kind.value,
+                "error_message": err.message,
+                "error_name": err.name,
+                "state": weights.state.to_wire(),
+            }
+        except Exception as err:
+            log.exception("applying version %d failed", manifest.version)
+            return {
+                "apply_error": f"{type(err).__name__}: {err}",
+                "state": weights.state.to_wire(),
+            }
         return {
             "mode": resolved,
-            "plan_cached": applied.plan_cached,
+            "plan_cached": copied.plan_cached,
             "seconds": time.perf_counter() - start,
+            "state": weights.state.to_wire(),
         }
 
-    def podrl_apply_safetensors(self, path: str, mode: str = "auto") -> dict[str, Any]:
-        """Apply checkpoint-format weights from a safetensors file (HF names): loading a
-        checkpoint into a running engine, and the reference path the manifest path is tested
-        against."""
-        from safetensors import safe_open
-
-        start = time.perf_counter()
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, handle.get_tensor(name)
-
-        applied = self._podrl_write(tensors(), mode)
-        return {"mode": applied, "plan_cached": False, "seconds": time.perf_counter() - start}
+    def podrl_drop_weights(self, reason: str) -> dict[str, Any]:
+        """The served parameters are gone (level-2 sleep): close every handle; only a full
+        manifest is accepted from now on."""
+        self.podrl_release_weights()
+        weights = self._podrl_state()
+        weights.weights_dropped(reason)
+        return weights.state.to_wire()
 
     def podrl_release_weights(self) -> None:
-        """Close every handle the receiver holds (engine shutdown, trainer restarted)."""
+        """Close every handle the receiver holds (engine shutdown, trainer restarted); the
+        weight state stays (the parameters keep what they hold)."""
         if self._podrl_receiver is not None:
             self._podrl_receiver.close()
             self._podrl_receiver = None
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _podrl_state(self) -> Any:
+        if self._podrl_weights is None:
+            from podrl.generator.weight_state import WorkerWeights
+
+            self._podrl_weights = WorkerWeights()
+        return self._podrl_weights
 
     def _podrl_get_receiver(self, mode: str, trusted_publisher_id: str) -> Any:
         """One receiver per worker, built on first use: it holds the opened handles and the
@@ -144,7 +214,7 @@ class PodrlWorkerExtension:
             description = ModelDescription.from_pretrained(self.vllm_config.model_config.model)
             dtype = self.vllm_config.model_config.dtype
             layout = None
-            if mode == "direct":
+            if mode == "in_place":
                 layout = vllm_layout(
                     description,
                     get_tensor_model_parallel_rank(),
@@ -166,18 +236,33 @@ class PodrlWorkerExtension:
             return mode
         if self._podrl_resolved_mode is None:
             repacked = _tensors_changed_after_loading(self.model_runner.get_model())
-            self._podrl_resolved_mode = "reload" if repacked else "direct"
+            self._podrl_resolved_mode = "reload" if repacked else "in_place"
         return self._podrl_resolved_mode
 
-    def _podrl_write(self, tensors: Iterable[tuple[str, torch.Tensor]], mode: str) -> str:
-        from vllm.config import set_current_vllm_config
+    def _podrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layer-wise reload of checkpoint-format (HF-named) tensors.
 
-        resolved = self._podrl_resolve_mode(mode)
-        if resolved == "reload":
+        A reload that raises part-way leaves layers on the meta device with their weight
+        loaders wrapped: the engine could neither run them nor reload them again. vLLM's own
+        finalisation then puts every layer back on its kernel tensors (layers not reached keep
+        their old values), so the model runs and a later full reload starts clean; the weight
+        state says needs_full meanwhile.
+        """
+        try:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        else:
-            with set_current_vllm_config(self.vllm_config), torch.no_grad():
-                self.model_runner.get_model().load_weights(iter(tensors))
+        except BaseException:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+            )
+
+            try:
+                with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                    finalize_layerwise_reload(
+                        self.model_runner.get_model(), self.vllm_config.model_config
+                    )
+            except Exception:
+                log.exception("finalising the failed reload failed too")
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return resolved
