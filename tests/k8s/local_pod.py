@@ -25,8 +25,9 @@ What each container gets, and how it is emulated here:
   ``allowPrivilegeEscalation: false``, so the read-only folders bind root as well.
 - **Its network.** Containers share the machine's loopback like a pod's containers share
   the pod's network namespace: the pod IP is 127.0.0.1; host names the caller maps (the
-  controller Service) resolve to loopback by rewriting env values; ports the caller maps are
-  used instead of the manifest's wherever a probe names them.
+  controller Service) resolve to loopback by rewriting env values, args and config files;
+  ports the caller maps are used instead of the manifest's wherever a probe names them (the
+  caller also gives the processes the overrides that make them listen there).
 
 Init containers run one after the other to completion before the other containers start.
 """

