@@ -22,7 +22,10 @@ class TrainerConfig(ServiceSection):
         "<run_dir>/models/tiny (no download).",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="transformers attention kernel used for training."
+        "sdpa",
+        description="Attention used for training: sdpa = podrl's mask-free attention "
+        "(causal SDPA over right-padded rows, flash varlen over packed rows on CUDA); eager = "
+        "transformers' eager attention with a padding mask.",
     )
 
     # Parallelism: the trainer runs dp_shard * tp ranks.
@@ -79,6 +82,43 @@ class TrainerConfig(ServiceSection):
         ge=1,
         description="Sequences per forward/backward on one rank; gradients accumulate "
         "over micro-batches into one optimizer step.",
+    )
+
+    # Speed (docs/cuda.md, "Trainer speed"): none of these changes what is computed.
+    packing: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into one row (positions restart per "
+        "sequence, attention stays inside each) so padding is never computed; false = "
+        "right-padded rows. Needs attn_implementation sdpa.",
+    )
+    fused_logprobs: bool = Field(
+        True,
+        description="Compute the sampled tokens' logprobs with podrl's chunked vocabulary "
+        "projection + log-softmax (no full-vocabulary fp32 logits, prompt positions skipped); "
+        "false = the model's full logits and a plain fp32 log_softmax.",
+    )
+    logprob_chunk_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Tokens per chunk of the fused logprobs: a chunk holds [tokens, vocab] "
+        "logits (4096 x 151,936 bf16 = 1.2 GB).",
+    )
+    compile_layers: bool | None = Field(
+        None,
+        description="torch.compile each decoder layer's forward (and the fused logprobs' "
+        "element-wise kernels); null = on for CUDA, off on CPU (compiling costs more there "
+        "than it saves).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping "
+        "them: less memory, about a third more compute; for batches that do not fit.",
+    )
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto",
+        description="AdamW implementation: fused (one kernel per step), foreach (one kernel "
+        "per op over all tensors) or for_loop; auto = fused on CUDA when tp = 1 (all "
+        "parameters on one mesh), otherwise torch's default.",
     )
 
     # Loss (formulas: docs/algorithms.md, podrl.algorithms.losses).
@@ -164,6 +204,15 @@ class TrainerConfig(ServiceSection):
                 f"got {value}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _check_packing(self) -> TrainerConfig:
+        if self.packing and self.attn_implementation != "sdpa":
+            raise ValueError(
+                "trainer.packing needs trainer.attn_implementation: sdpa (the eager attention "
+                "takes a padding mask); set packing: false to use eager"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_warmup(self) -> TrainerConfig:

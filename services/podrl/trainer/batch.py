@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from podrl.algorithms.losses import BatchTotals
+from podrl.trainer.packing import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG
 from podrl.v1 import trainer_pb2
 
 
@@ -85,48 +86,135 @@ def batch_totals(sequences: Sequence[trainer_pb2.TrainSequence]) -> BatchTotals:
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors of a few sequences. Position j of the ``[B, L-1]`` tensors holds the
-    prediction of token j+1 from the logits at position j."""
+    """The model inputs of a few sequences and their loss tensors.
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, L-1]
+    The loss tensors are ``[B, L-1]`` (one row per sequence, right-padded to the longest):
+    position j of row b is the prediction of token j+1 of sequence b from position j. The model
+    inputs are either the same right-padded rows (``input_ids`` ``[B, L]``) or, packed, one row
+    of all sequences back to back (``input_ids`` ``[1, T]``, T = total tokens, with
+    ``position_ids`` restarting at 0 for each sequence and ``cu_seqlens`` marking where each
+    starts). Either way only the completion positions need a logprob: ``token_index`` lists
+    them as flat positions of the model's ``[rows * length]`` outputs, ``token_targets`` the
+    tokens they predict, and ``gather_index`` places them back into the ``[B, L-1]`` layout
+    (0 = no logprob needed there, k + 1 = the k-th listed position; see :meth:`to_rows`).
+    """
+
+    input_ids: torch.Tensor  # [B, L] rows, or [1, T] packed
+    attention_mask: torch.Tensor | None  # [B, L]; None when the attention needs no mask
+    position_ids: torch.Tensor | None  # [1, T] packed; None for rows (0..L-1)
+    cu_seqlens: torch.Tensor | None  # [B + 1] int32 packed: cumulative sequence lengths
+    max_seqlen: int  # the longest sequence (packed attention kernels need it)
+    token_index: torch.Tensor  # [M] flat positions whose logprob the loss needs
+    token_targets: torch.Tensor  # [M] the token each of them predicts
+    gather_index: torch.Tensor  # [B, L-1] 0 or 1 + index into token_index
     loss_mask: torch.Tensor  # [B, L-1], 1 on completion tokens
     generator_logprobs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B]
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{name: t.to(device) for name, t in vars(self).items()})
+        moved = {
+            name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(self).items()
+        }
+        return MicroBatch(**moved)
+
+    def model_inputs(self) -> dict[str, object]:
+        """Keyword arguments of ``model(...)`` for this batch."""
+        inputs: dict[str, object] = {"input_ids": self.input_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        if self.cu_seqlens is not None:
+            inputs[CU_SEQLENS_KWARG] = self.cu_seqlens
+            inputs[MAX_SEQLEN_KWARG] = self.max_seqlen
+        return inputs
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``[M]`` values of the ``token_index`` positions → ``[B, L-1]`` (0 where unused)."""
+        return torch.cat([values.new_zeros(1), values])[self.gather_index]
 
 
-def collate(sequences: Sequence[trainer_pb2.TrainSequence], pad_id: int) -> MicroBatch:
-    """Tensors of ``sequences``; an empty list gives one all-masked dummy row (a rank with no
-    data still runs forward/backward so FSDP's collectives line up)."""
+def collate(
+    sequences: Sequence[trainer_pb2.TrainSequence],
+    pad_id: int,
+    packed: bool = False,
+    attention_mask: bool = True,
+) -> MicroBatch:
+    """Tensors of ``sequences``, packed into one row or right-padded (see :class:`MicroBatch`);
+    ``attention_mask=False`` leaves the padding mask out (attention that is causal by itself).
+    An empty list gives one all-masked dummy row (a rank with no data still runs
+    forward/backward so FSDP's collectives line up)."""
     if not sequences:
         ids = torch.full((1, 2), pad_id, dtype=torch.long)
         zeros = torch.zeros((1, 1))
+        empty = torch.zeros(0, dtype=torch.long)
         return MicroBatch(
-            ids, torch.ones_like(ids), ids[:, 1:], zeros, zeros.clone(), torch.zeros(1)
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids) if attention_mask and not packed else None,
+            position_ids=torch.arange(2).unsqueeze(0) if packed else None,
+            cu_seqlens=torch.tensor([0, 2], dtype=torch.int32) if packed else None,
+            max_seqlen=2,
+            token_index=empty,
+            token_targets=empty.clone(),
+            gather_index=torch.zeros((1, 1), dtype=torch.long),
+            loss_mask=zeros,
+            generator_logprobs=zeros.clone(),
+            advantages=torch.zeros(1),
         )
-    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in sequences)
-    rows = len(sequences)
-    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, length), dtype=torch.long)
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in sequences]
+    length, rows, total = max(lengths), len(sequences), sum(lengths)
+    if packed:
+        input_ids = torch.empty((1, total), dtype=torch.long)
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+        mask = None
+    else:
+        input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+        position_ids = cu_seqlens = None
+        offsets = [row * length for row in range(rows)]
+        mask = torch.zeros((rows, length), dtype=torch.long) if attention_mask else None
     loss_mask = torch.zeros((rows, length - 1))
     generator_logprobs = torch.zeros((rows, length - 1))
+    gather_index = torch.zeros((rows, length - 1), dtype=torch.long)
+    token_index, token_targets = [], []
     for row, seq in enumerate(sequences):
         prompt, completion = len(seq.prompt_ids), len(seq.completion_ids)
-        input_ids[row, : prompt + completion] = torch.tensor(
-            [*seq.prompt_ids, *seq.completion_ids], dtype=torch.long
-        )
-        attention_mask[row, : prompt + completion] = 1
-        loss_mask[row, prompt - 1 : prompt - 1 + completion] = 1
-        generator_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
+        ids = torch.tensor([*seq.prompt_ids, *seq.completion_ids], dtype=torch.long)
+        start = offsets[row]
+        if packed:
+            input_ids[0, start : start + prompt + completion] = ids
+        else:
+            input_ids[row, : prompt + completion] = ids
+            if mask is not None:
+                mask[row, : prompt + completion] = 1
+        # Logits at positions prompt-1 .. prompt+completion-2 predict the completion tokens.
+        first = prompt - 1
+        loss_mask[row, first : first + completion] = 1
+        generator_logprobs[row, first : first + completion] = torch.tensor(
             list(seq.generator_logprobs)
         )
+        gather_index[row, first : first + completion] = torch.arange(
+            len(token_index) + 1, len(token_index) + 1 + completion
+        )
+        token_index.extend(range(start + first, start + first + completion))
+        token_targets.append(ids[prompt:])
     advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
     return MicroBatch(
-        input_ids, attention_mask, input_ids[:, 1:], loss_mask, generator_logprobs, advantages
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=length,
+        token_index=torch.tensor(token_index, dtype=torch.long),
+        token_targets=torch.cat(token_targets),
+        gather_index=gather_index,
+        loss_mask=loss_mask,
+        generator_logprobs=generator_logprobs,
+        advantages=advantages,
     )
 
 

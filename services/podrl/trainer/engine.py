@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
@@ -33,6 +32,13 @@ from podrl.trainer.batch import (
     validate_train_request,
 )
 from podrl.trainer.grad_norm import clip_grad_norm
+from podrl.trainer.logprobs import (
+    ChunkKernels,
+    HeadRequest,
+    install_logprob_head,
+    plain_logprobs,
+    request_logprobs,
+)
 from podrl.trainer.parallel import (
     RankEnv,
     init_distributed,
@@ -112,19 +118,14 @@ class TrainerEngine:
         torch.manual_seed(self.settings.seed)
         # Every rank resolves it; the tiny default is written atomically by whichever is first.
         self.model_path = resolve_model_path(config)
-        self.model: PreTrainedModel = parallelize(
-            load_hf_model(self.model_path, self.settings.attn_implementation),
-            self.mesh,
-            self.device,
-        )
+        compile_layers = self.settings.compile_layers
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda"
+        self.model: PreTrainedModel = self._build_model(compile_layers, trainable=True)
         self.reference: PreTrainedModel | None = None
         if self.settings.kl_coef > 0:
-            self.reference = parallelize(
-                load_hf_model(self.model_path, self.settings.attn_implementation),
-                self.mesh,
-                self.device,
-                trainable=False,
-            )
+            self.reference = self._build_model(compile_layers, trainable=False)
+        self.logprob_kernels = ChunkKernels.make(compiled=compile_layers)
         hf_config = self.model.config
         self.limits = BatchLimits(
             vocab_size=hf_config.vocab_size,
@@ -138,6 +139,7 @@ class TrainerEngine:
             betas=(self.settings.adam_beta1, self.settings.adam_beta2),
             eps=self.settings.adam_eps,
             weight_decay=self.settings.weight_decay,
+            **self._adamw_implementation(),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_multiplier(self.settings)
@@ -187,16 +189,59 @@ class TrainerEngine:
         for gate in self.train_gates:
             gate()
 
+    # -- model and optimizer construction -----------------------------------------------------
+
+    def _build_model(self, compile_layers: bool, trainable: bool) -> PreTrainedModel:
+        model = parallelize(
+            load_hf_model(self.model_path, self.settings.attn_implementation),
+            self.mesh,
+            self.device,
+            trainable=trainable,
+            compile_layers=compile_layers,
+            activation_checkpointing=self.settings.activation_checkpointing,
+        )
+        if self.settings.fused_logprobs:
+            install_logprob_head(model)
+        return model
+
+    def _adamw_implementation(self) -> dict[str, bool]:
+        """AdamW's ``fused``/``foreach`` arguments for ``trainer.optimizer_impl``."""
+        impl = self.settings.optimizer_impl
+        if impl == "auto":
+            # Fused AdamW takes one kernel for all parameters. With TP the parameters live on
+            # two meshes (dp, and dp x tp); fused was not measured on that mix, so auto keeps
+            # torch's default there.
+            impl = "fused" if self.device.type == "cuda" and self.settings.tp == 1 else "default"
+        return {
+            "fused": {"fused": True},
+            "foreach": {"foreach": True},
+            "for_loop": {"foreach": False},
+        }.get(impl, {})
+
     # -- forward -------------------------------------------------------------------------------
 
     def _token_logprobs(
         self, model: PreTrainedModel, batch: MicroBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob of each target token [B, L-1], log-softmax over the vocabulary)."""
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logits = logits[:, :-1].float() / self.settings.logit_temperature
-        log_probs = F.log_softmax(logits, dim=-1)
-        return log_probs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1), log_probs
+        """(logprob of each completion token, entropy of its distribution): ``[B, L-1]`` each,
+        0 at prompt and padding positions; the entropy carries no gradient."""
+        temperature = self.settings.logit_temperature
+        if self.settings.fused_logprobs:
+            request = HeadRequest(
+                batch.token_index,
+                batch.token_targets,
+                temperature,
+                self.settings.logprob_chunk_tokens,
+                self.logprob_kernels,
+            )
+            with request_logprobs(model, request):
+                logprobs = model(**batch.model_inputs()).logits
+            entropy = request.entropy
+        else:
+            logits = model(**batch.model_inputs()).logits
+            selected = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.token_index)
+            logprobs, entropy = plain_logprobs(selected, batch.token_targets, temperature)
+        return batch.to_rows(logprobs), batch.to_rows(entropy)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -283,11 +328,21 @@ class TrainerEngine:
         self.model.train()
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         diff_max = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for index, part in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
+        # Every micro-batch goes to the device before the first forward: a copy from pageable
+        # host memory issued between micro-batches can wait for the previous backward.
+        batches = [
+            collate(
+                part,
+                self.pad_id,
+                packed=self.settings.packing,
+                attention_mask=self.settings.attn_implementation != "sdpa",
+            ).to(self.device)
+            for part in micro_batches
+        ]
+        for index, batch in enumerate(batches):
+            last = index == len(batches) - 1
             self.model.set_requires_gradient_sync(last)
-            batch = collate(part, self.pad_id).to(self.device)
-            logprobs, log_probs = self._token_logprobs(self.model, batch)
+            logprobs, entropy = self._token_logprobs(self.model, batch)
             ref_logprobs = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -305,7 +360,6 @@ class TrainerEngine:
             (terms.loss * self.dp_size).backward()
             with torch.no_grad():
                 mask = batch.loss_mask
-                entropy = -(log_probs.exp() * log_probs).sum(-1)
                 diff = (logprobs.detach() - batch.generator_logprobs).abs() * mask
                 sums += torch.stack(
                     [
@@ -320,7 +374,7 @@ class TrainerEngine:
                     ]
                 ).to(torch.float64)
                 diff_max = torch.maximum(diff_max, diff.max().to(torch.float64).reshape(1))
-            del logprobs, log_probs, terms
+            del logprobs, entropy, terms
         return sums, diff_max
 
     def _agree(self, failure: BaseException | None, version: int, phase: str) -> None:

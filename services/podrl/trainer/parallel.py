@@ -6,15 +6,24 @@ Mesh: ``("dp_shard", "tp")`` of shape ``(dp_shard, tp)`` over all ranks. Tensor 
 ``dp_shard == 1`` so that every parameter is a DTensor and a 1-rank run takes the same code path
 as an N-rank one. On CUDA the model computes in bf16 and keeps fp32 master weights (FSDP2's
 MixedPrecisionPolicy); on CPU everything is fp32.
+
+Attention: ``attn_implementation: sdpa`` loads the model with podrl's own attention
+(``podrl.trainer.packing``: causal SDPA for right-padded rows, flash varlen for packed rows,
+never a materialised mask). Speed options applied per decoder layer, inside each FSDP unit
+(the FSDP hooks stay outside): ``torch.compile`` of the layer's ``forward`` and activation
+checkpointing of it. Both replace only the instance's ``forward`` attribute, so parameter
+names, state-dict keys and checkpoints are unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,10 +36,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from podrl.config import ConfigError, RunConfig
 from podrl.models.folders import default_model_folder, ensure_model_folder
+from podrl.trainer.packing import ATTENTION_NAME
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +105,12 @@ def resolve_model_path(config: RunConfig) -> Path:
 
 
 def load_hf_model(path: Path, attn_implementation: str) -> PreTrainedModel:
-    """The causal LM in fp32 on CPU (parallelisation moves and shards it)."""
+    """The causal LM in fp32 on CPU (parallelisation moves and shards it); ``sdpa`` means
+    podrl's mask-free SDPA/varlen attention (module docstring), ``eager`` transformers' own."""
     hf_config = AutoConfig.from_pretrained(path)
+    implementation = ATTENTION_NAME if attn_implementation == "sdpa" else attn_implementation
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
+        path, config=hf_config, dtype=torch.float32, attn_implementation=implementation
     )
     model.config.use_cache = False
     return model
@@ -150,10 +163,45 @@ def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` whose activations are recomputed in backward instead of kept."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def wrap_decoder_layers(
+    model: PreTrainedModel, compile_layers: bool, activation_checkpointing: bool
+) -> None:
+    """Compile and/or checkpoint every decoder layer's ``forward`` in place (module docstring).
+
+    Compiled, the layers share one graph: they are instances of one class and dynamo lifts
+    their parameters to graph inputs. A new sequence length recompiles once, then the graph is
+    dynamic in it.
+    """
+    if not (compile_layers or activation_checkpointing):
+        return
+    for layer in _decoder_layers(model):
+        forward = layer.forward
+        if compile_layers:
+            forward = torch.compile(forward)
+        if activation_checkpointing:
+            forward = _checkpointed(forward)
+        layer.forward = forward
+
+
 def parallelize(
-    model: PreTrainedModel, mesh: DeviceMesh, device: torch.device, trainable: bool = True
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    device: torch.device,
+    trainable: bool = True,
+    compile_layers: bool = False,
+    activation_checkpointing: bool = False,
 ) -> PreTrainedModel:
-    """TP over ``mesh["tp"]`` (if > 1), then FSDP2 over ``mesh["dp_shard"]``, in place."""
+    """TP over ``mesh["tp"]`` (if > 1), then FSDP2 over ``mesh["dp_shard"]``, in place; then the
+    per-layer speed options (:func:`wrap_decoder_layers`)."""
     if mesh["tp"].size() > 1:
         check_tp(model, mesh["tp"].size())
         apply_tensor_parallel(model, mesh["tp"])
@@ -166,6 +214,7 @@ def parallelize(
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
     # fully_shard moves parameters and buffers to the mesh's device.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    wrap_decoder_layers(model, compile_layers, activation_checkpointing and trainable)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
