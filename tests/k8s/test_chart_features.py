@@ -259,6 +259,7 @@ def test_default_run_state_needs_no_read_write_many_storage_class() -> None:
     for claim in [*claims, *templates]:
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"], claim["metadata"]["name"]
     (controller_claim,) = claims
+    assert controller_claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     volumes = {v["name"]: v for v in _controller_pod(objects)["volumes"]}
     assert (
         volumes["run-state"]["persistentVolumeClaim"]["claimName"]
