@@ -514,14 +514,6 @@ def test_the_watch_and_the_scaler_call_exactly_the_access_table(
 
 # The chart grants these, but no code calls them; the chart's owner removes them (then this set
 # empties, and the test below fails until it is emptied here too).
-CHART_GRANTS_NOT_CALLED = {
-    ("", "pods", "get"),
-    ("discovery.k8s.io", "endpointslices", "get"),
-    ("discovery.k8s.io", "endpointslices", "list"),
-    ("discovery.k8s.io", "endpointslices", "watch"),
-}
-
-
 def test_chart_role_grants_exactly_the_access_table() -> None:
     objects = parse_objects(helm_template({}))
     role = next(o for o in objects if o["kind"] == "Role")
@@ -532,8 +524,8 @@ def test_chart_role_grants_exactly_the_access_table() -> None:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    assert granted >= CHART_GRANTS_NOT_CALLED, "the chart dropped an unused grant: update the set"
-    assert granted - CHART_GRANTS_NOT_CALLED == _flat(KUBERNETES_ACCESS)
+    # No more and no less than the code calls.
+    assert granted == _flat(KUBERNETES_ACCESS)
 
     # The one write is limited to the StatefulSet the controller is told to watch, and the
     # selector it is told matches that StatefulSet's pods.

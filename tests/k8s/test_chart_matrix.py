@@ -192,8 +192,7 @@ def test_rbac_is_namespaced_and_minimal(case: Case) -> None:
     }
     read = (["get", "list", "watch"], None)
     assert rules == {
-        ("", "pods"): read,
-        ("discovery.k8s.io", "endpointslices"): read,
+        ("", "pods"): (["list", "watch"], None),
         ("apps", "statefulsets"): read,
         ("apps", "statefulsets/scale"): (["patch"], [f"{RELEASE}-worker"]),
     }
