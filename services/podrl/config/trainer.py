@@ -7,7 +7,68 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from podrl.config.base import ServiceSection
+from podrl.config.base import Section, ServiceSection
+
+
+class ReplicationConfig(Section):
+    """Data parallelism across worker pods (docs/scaling.md, "Trainers across pods"): every
+    pod's trainer is one torchft replica group; gradients are summed across pods each step."""
+
+    lighthouse_address: str = Field(
+        "",
+        description="host:port (or http://host:port) of the torchft Lighthouse that forms each "
+        "step's quorum of pods (podrl-lighthouse); empty = no cross-pod replication: this "
+        "trainer trains every batch alone.",
+    )
+    lighthouse_bind: str = Field(
+        "[::]:29510",
+        description="Where podrl-lighthouse listens (host:port; [::] = every interface).",
+    )
+    quorum_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="How long one Train waits for the quorum of the step's pods (retries "
+        "included) before it answers ABORTED.",
+    )
+    join_timeout_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="Lighthouse: after a membership change, how long a quorum waits for pods "
+        "that heartbeat but have not asked to join it.",
+    )
+    heartbeat_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Lighthouse: a pod's trainer that has not heartbeated for this long is "
+        "dead (left out of quorums).",
+    )
+    collective_timeout_seconds: float = Field(
+        300.0,
+        gt=0,
+        description="Timeout of one cross-pod operation: the gradient all-reduce, the commit "
+        "vote and the transfer of a healing pod's state.",
+    )
+    connect_timeout_seconds: float = Field(
+        30.0, gt=0, description="Timeout of connecting to the Lighthouse and to peer pods."
+    )
+    manager_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of this pod's torchft manager server (peers and the Lighthouse "
+        "reach it at trainer.advertise_host); 0 = a free port.",
+    )
+    store_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of this pod's TCPStore, where peers rendezvous for the cross-pod "
+        "process group; 0 = a free port.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.lighthouse_address)
 
 
 class TrainerConfig(ServiceSection):
@@ -169,6 +230,12 @@ class TrainerConfig(ServiceSection):
         "sampling temperature when the generator reports logprobs of the tempered distribution.",
     )
 
+    # Across pods.
+    replication: ReplicationConfig = Field(
+        default_factory=ReplicationConfig,
+        description="Data parallelism across worker pods through torchft (off by default).",
+    )
+
     # Reproducibility and checkpoints.
     seed: int = Field(0, description="Seed of torch's RNGs on every rank.")
     checkpoint_dir: Path | None = Field(
@@ -216,7 +283,10 @@ class TrainerConfig(ServiceSection):
 
     @model_validator(mode="after")
     def _check_warmup(self) -> TrainerConfig:
-        if self.lr_schedule != "constant" and self.warmup_steps >= self.total_steps:
+        # An unset total_steps follows loop.steps (config/coupling.py checks warmup against the
+        # value it ends up with), so only an explicit one is checked here.
+        explicit = "total_steps" in self.model_fields_set
+        if explicit and self.lr_schedule != "constant" and self.warmup_steps >= self.total_steps:
             raise ValueError(
                 f"trainer.warmup_steps ({self.warmup_steps}) must be below trainer.total_steps "
                 f"({self.total_steps}) for the {self.lr_schedule} schedule"

@@ -25,14 +25,20 @@ class TrainSequence(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("sequences", "policy_version", "batch_id")
+    __slots__ = ("sequences", "policy_version", "batch_id", "global_sequences", "global_completion_tokens", "pods")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
     policy_version: int
     batch_id: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ...) -> None: ...
+    global_sequences: int
+    global_completion_tokens: int
+    pods: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., global_sequences: _Optional[int] = ..., global_completion_tokens: _Optional[int] = ..., pods: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
     __slots__ = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "learning_rate", "step_seconds")
@@ -173,6 +179,20 @@ class TrainerInfo(_message.Message):
     last_batch_id: str
     last_train: TrainResponse
     def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., last_batch_id: _Optional[str] = ..., last_train: _Optional[_Union[TrainResponse, _Mapping]] = ...) -> None: ...
+
+class ParametersDigestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ParametersDigestResponse(_message.Message):
+    __slots__ = ("policy_version", "step", "sha256")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    step: int
+    sha256: str
+    def __init__(self, policy_version: _Optional[int] = ..., step: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class RankCommand(_message.Message):
     __slots__ = ("name", "payload")

@@ -70,6 +70,11 @@ class TrainerStub:
                 request_serializer=podrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=podrl_dot_v1_dot_trainer__pb2.TrainerInfo.FromString,
                 _registered_method=True)
+        self.ParametersDigest = channel.unary_unary(
+                '/podrl.v1.Trainer/ParametersDigest',
+                request_serializer=podrl_dot_v1_dot_trainer__pb2.ParametersDigestRequest.SerializeToString,
+                response_deserializer=podrl_dot_v1_dot_trainer__pb2.ParametersDigestResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -121,6 +126,13 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ParametersDigest(self, request, context):
+        """sha256 of the full parameters: replicas that hold the same policy answer the same digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +170,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=podrl_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=podrl_dot_v1_dot_trainer__pb2.TrainerInfo.SerializeToString,
+            ),
+            'ParametersDigest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ParametersDigest,
+                    request_deserializer=podrl_dot_v1_dot_trainer__pb2.ParametersDigestRequest.FromString,
+                    response_serializer=podrl_dot_v1_dot_trainer__pb2.ParametersDigestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class Trainer:
             '/podrl.v1.Trainer/Info',
             podrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             podrl_dot_v1_dot_trainer__pb2.TrainerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ParametersDigest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/podrl.v1.Trainer/ParametersDigest',
+            podrl_dot_v1_dot_trainer__pb2.ParametersDigestRequest.SerializeToString,
+            podrl_dot_v1_dot_trainer__pb2.ParametersDigestResponse.FromString,
             options,
             channel_credentials,
             insecure,
