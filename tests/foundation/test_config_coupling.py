@@ -157,10 +157,14 @@ def test_a_decaying_schedule_spans_the_run(tmp_path: Path) -> None:
         "trainer.warmup_steps",
         "loop.steps",
     )
-    # The trainer section's own warmup check runs first, against the default total_steps.
+    # A long warmup is fine when the run is longer still: total_steps follows loop.steps,
+    # not the trainer's default of 1000.
+    long_run = {"trainer": {**cosine, "warmup_steps": 1500}, "loop": {"steps": 5000}}
+    assert _load(tmp_path, long_run).trainer.total_steps == 5000
+    # Without a loop the default total_steps stays, and warmup must end before it.
     _refused(
         tmp_path,
-        {"trainer": {**cosine, "warmup_steps": 1500}, "loop": {"steps": 5000}},
+        {"trainer": {**cosine, "warmup_steps": 1500}},
         "trainer.warmup_steps",
         "trainer.total_steps",
     )

@@ -188,6 +188,18 @@ def _schedule_length(config: RunConfig, problems: list[CouplingProblem]) -> None
     trainer, steps = config.trainer, config.loop.steps
     if trainer.lr_schedule == "constant":
         return
+    # Without a loop (steps 0) an unset total_steps keeps the trainer's default.
+    unset = not _is_set(trainer, "total_steps")
+    if unset and steps <= 0 and trainer.warmup_steps >= trainer.total_steps:
+        problems.append(
+            CouplingProblem(
+                ("trainer.warmup_steps", "trainer.total_steps"),
+                f"trainer.warmup_steps ({trainer.warmup_steps}) must be below "
+                f"trainer.total_steps ({trainer.total_steps}) for the "
+                f"{trainer.lr_schedule} schedule",
+            )
+        )
+        return
     if steps > 0 and not _is_set(trainer, "total_steps"):
         if trainer.warmup_steps >= steps:
             problems.append(
@@ -210,7 +222,7 @@ def _schedule_length(config: RunConfig, problems: list[CouplingProblem]) -> None
                 f"trainer.total_steps unset (it follows loop.steps) or set it to {steps}",
             )
         )
-    # warmup_steps < total_steps itself is the trainer section's own check (config/trainer.py).
+    # An explicit total_steps is checked against warmup_steps by the trainer section itself.
 
 
 def _model_length(config: RunConfig, problems: list[CouplingProblem]) -> None:
