@@ -14,7 +14,7 @@ import yaml
 
 from podrl.config import ConfigError, load_config
 from podrl.config.coupling import PROMPT_SPECIAL_TOKENS, prompt_token_bound
-from podrl.config.models import RunConfig
+from podrl.config.run_config import RunConfig
 from podrl.config.tasks import TaskConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from podrl.config.models import GrpcConfig
+from podrl.config.run_config import GrpcConfig
 
 
 def channel_options(config: GrpcConfig) -> list[tuple[str, int]]:

@@ -7,7 +7,7 @@ import sys
 
 from pythonjsonlogger.json import JsonFormatter
 
-from podrl.config.models import LogConfig
+from podrl.config.run_config import LogConfig
 
 
 class _ContextFilter(logging.Filter):

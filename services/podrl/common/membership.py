@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from podrl.common.grpc_options import open_channel
-from podrl.config.models import RunConfig
+from podrl.config.run_config import RunConfig
 from podrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The run configuration: one typed model that drives local runs, docker-compose and Helm."""
 
 from podrl.config.loading import ConfigError, load_config
-from podrl.config.models import (
+from podrl.config.run_config import (
     ControllerConfig,
     GeneratorConfig,
     GraderConfig,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from podrl.config.models import RunConfig
+    from podrl.config.run_config import RunConfig
     from podrl.config.tasks import TaskConfig
 
 PROMPT_SPECIAL_TOKENS = 4

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from podrl.config.coupling import CoupledFieldsError
-from podrl.config.models import RunConfig
+from podrl.config.run_config import RunConfig
 
 ENV_PREFIX = "PODRL_"
 ENV_NESTING = "__"
