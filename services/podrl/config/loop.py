@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, model_validator
 
 from podrl.config.base import Section
+
+if TYPE_CHECKING:
+    from podrl.config.tasks import TasksConfig
 
 
 class SamplingConfig(Section):
@@ -70,6 +75,26 @@ class LoopConfig(Section):
     workers_timeout_seconds: float = Field(
         600.0, gt=0, description="How long a step waits for enough healthy worker pods."
     )
+    eval_prompts: int = Field(
+        0,
+        ge=0,
+        description="Held-out evaluation: this many prompts of the tasks' evaluation parts "
+        "(tasks.definitions[i].split.eval or eval_source), the same ones every time, are "
+        "answered greedily (temperature 0, one completion each, loop.sampling.max_tokens and "
+        "stop) and scored with the task's rewards, before the first step, every eval_every "
+        "steps and at the end. Nothing is trained on them. 0 = no evaluation.",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Also evaluate after every k-th step (0 = only before the first step and "
+        "at the end).",
+    )
+    export_at_end: bool = Field(
+        True,
+        description="When the run finishes, the trainer writes the policy as a Hugging Face "
+        "folder to <run_dir>/export (ExportHF); summary.json names it.",
+    )
 
     @model_validator(mode="after")
     def _check_group_minimum(self) -> LoopConfig:
@@ -79,3 +104,19 @@ class LoopConfig(Section):
                 f"at most loop.sampling.n ({self.sampling.n}): no group could ever be trained"
             )
         return self
+
+
+def check_evaluation(loop: LoopConfig, tasks: TasksConfig) -> None:
+    """Refuse ``loop.eval_prompts`` when no task has evaluation prompts (ValueError naming both
+    fields): an evaluation drawn from the RL stream would not be held out."""
+    if loop.eval_prompts and not any(task.has_eval for task in tasks.definitions):
+        raise ValueError(
+            f"loop.eval_prompts is {loop.eval_prompts} but no task in tasks.definitions has "
+            "evaluation prompts; give a task a held-out part (split: {eval: 0.1}) or an "
+            "eval_source, or set loop.eval_prompts: 0"
+        )
+    if loop.eval_every and not loop.eval_prompts:
+        raise ValueError(
+            f"loop.eval_every is {loop.eval_every} but loop.eval_prompts is 0: set "
+            "loop.eval_prompts (prompts per evaluation) or loop.eval_every: 0"
+        )

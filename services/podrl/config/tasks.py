@@ -114,6 +114,41 @@ class RewardConfig(Section):
         return self.name.rsplit(":", 1)[-1]
 
 
+class SplitConfig(Section):
+    """Disjoint parts of a task's prompt space, for evaluation and the supervised warm-start.
+
+    A prompt's part is fixed by a hash of the task name and the prompt text (``u`` in [0, 1)):
+    ``u < eval`` is the evaluation part, ``eval <= u < eval + warm_start`` the warm-start part,
+    the rest the RL training part. Seeds pick which prompts a stream draws, never which part a
+    prompt is in, so the three parts share no prompt text whatever the seeds (podrl.tasks.split).
+    """
+
+    eval: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of the task's prompt space held out for evaluation "
+        "(loop.eval_prompts); RL and the warm-start never draw these prompts.",
+    )
+    warm_start: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of the prompt space kept for `podrl warm-start` only; 0 = the "
+        "warm-start draws from the RL part with a seed of its own (it may then repeat prompts "
+        "of the RL stream when the prompt space is small).",
+    )
+
+    @model_validator(mode="after")
+    def _leaves_training(self) -> SplitConfig:
+        if self.eval + self.warm_start >= 1:
+            raise ValueError(
+                f"eval ({self.eval:g}) + warm_start ({self.warm_start:g}) must be below 1: "
+                "nothing would be left for RL"
+            )
+        return self
+
+
 class TaskConfig(Section):
     """One task: its prompt source, prompt template and reward functions."""
 
@@ -147,6 +182,25 @@ class TaskConfig(Section):
     fallback_reward: float | None = Field(
         None, description="Reward of an item whose scoring failed; None uses grader's."
     )
+    split: SplitConfig = Field(
+        default_factory=SplitConfig,
+        description="Held-out parts of the prompt space: evaluation and warm-start.",
+    )
+    eval_source: SourceConfig | None = Field(
+        None,
+        description="A source of evaluation prompts of its own (e.g. a test-set JSONL) instead "
+        "of split.eval; podrl does not check it against the RL stream.",
+    )
+    pass_threshold: float = Field(
+        1.0,
+        description="An evaluation prompt counts as passed (held-out accuracy) when its greedy "
+        "completion's reward is at least this.",
+    )
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether the task has evaluation prompts (split.eval or eval_source)."""
+        return self.eval_source is not None or self.split.eval > 0
 
     @field_validator("name")
     @classmethod
@@ -160,6 +214,11 @@ class TaskConfig(Section):
         if self.template_format == "format":
             _check_format_string(self.template, "template")
         _check_format_string(self.target_template, "target_template")
+        if self.eval_source is not None and self.split.eval > 0:
+            raise ValueError(
+                "set either split.eval (a held-out part of the source) or eval_source (a source "
+                "of its own), not both"
+            )
         labels = [reward.component for reward in self.rewards]
         duplicates = sorted({label for label in labels if labels.count(label) > 1})
         if duplicates:

@@ -10,15 +10,19 @@ and total; it is never written as 0.0. Such a step carries ``metrics_unknown: tr
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
 from podrl.controller.batch import StepSamples, TrainBatch, is_valid, sample_id
+from podrl.controller.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
 from podrl.controller.resume import RecoveredStep
+from podrl.controller.roster import pod_order
 from podrl.controller.run_outputs import SampleLog, write_summary
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
+from podrl.controller.tracking import Tracker
 from podrl.controller.train_phase import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
@@ -54,6 +58,19 @@ class StepRecorder:
         self.store = store
         self.samples = SampleLog(config.run_dir)
         self._started = time.monotonic()
+        self.tracker = Tracker(config)  # a tracking package that is missing fails here
+        evaluations = stored_evaluations(store)
+        state.set_evaluations(evaluations[-1] if evaluations else None, len(evaluations))
+
+    def _track(self) -> Tracker:
+        """The tracker, opened on first use: by then resume has set where the run goes on."""
+        if not self.tracker.opened:
+            run_id = self.store.get("wandb_run_id")
+            if run_id is None:
+                run_id = f"{self.config.name}-{uuid.uuid4().hex[:8]}"
+                self.store.put("wandb_run_id", run_id)
+            self.tracker.open(self.state.step, run_id)
+        return self.tracker
 
     def write_samples(self, step: int, data: StepSamples, trained_ids: set[str]) -> None:
         """The step's samples, written once its Train is applied (or when it trains nothing),
@@ -65,6 +82,7 @@ class StepRecorder:
             valid = is_valid(score)
             return {
                 "step": step,
+                "pod": data.pod_of.get(item.id),
                 "prompt_id": item.id,
                 "task": item.task,
                 "prompt": item.prompt,
@@ -92,17 +110,29 @@ class StepRecorder:
         outcome: TrainOutcome | None,
         batch_id: str,
         timings: dict[str, float],
+        epoch: int = 0,
+        sync_seconds: dict[str, float] | None = None,
     ) -> StepRecord:
-        """A finished step: SQLite (which also clears the step in flight), status, metrics."""
+        """A finished step: SQLite (which also clears the step in flight), status, metrics.
+        ``epoch``: the roster's epoch it was trained in; ``sync_seconds``: pod → seconds of its
+        weight sync."""
         tokens = sum(len(s.token_ids) for _, s in data.all_samples())
         figures: dict[str, Any] = {
             **batch.stats,
             "tokens_generated": tokens,
             "phase_seconds": timings,
             "trained": outcome is not None,
+            "epoch": epoch,
+            # The pods whose trainers applied the step (none when it trained nothing).
+            "pods": sorted(outcome.replies, key=pod_order) if outcome is not None else [],
+            "generated_by": data.prompts_by_pod(),
+            "sync_seconds_by_pod": {
+                pod: round(seconds, 4) for pod, seconds in (sync_seconds or {}).items()
+            },
         }
         if outcome is not None:
             figures["batch_id"] = batch_id
+            figures["batch_ids"] = outcome.batch_ids
             figures["train_sends"] = outcome.sends
             figures["metrics_unknown"] = not outcome.metrics_known
             figures.update(train_figures(outcome.reply if outcome.metrics_known else None))
@@ -116,6 +146,7 @@ class StepRecorder:
         metrics.DROPPED_SAMPLES.inc(batch.stats["dropped_samples"])
         metrics.TOKENS_GENERATED.inc(tokens)
         metrics.SAMPLES_SCORED.inc(len(data.scores))
+        self._track().log_step(record)
         return record
 
     def record_recovered(self, recovered: RecoveredStep) -> StepRecord:
@@ -125,6 +156,8 @@ class StepRecorder:
         figures: dict[str, Any] = {
             "recovered": True,
             "prompt_ids": recovered.prompt_ids,
+            "epoch": None,
+            "pods": None,
             "trained": True,
             "batch_id": recovered.batch_id,
             "metrics_unknown": True,
@@ -140,7 +173,25 @@ class StepRecorder:
             time.time(),
         )
         self.store.record_step(record)
+        self._track().log_step(record)
         return record
+
+    def record_eval(self, evaluation: dict[str, Any]) -> None:
+        """An evaluation (podrl.controller.evaluation): the run store (replacing one recorded
+        after the same step), status, /metrics, the tracking writers."""
+        evaluations = [e for e in stored_evaluations(self.store) if e["step"] != evaluation["step"]]
+        evaluations.append(evaluation)
+        evaluations.sort(key=lambda e: e["step"])
+        self.store.put(EVALS_KEY, evaluations)
+        self.state.set_evaluations(evaluations[-1], len(evaluations))
+        publish_evaluation(evaluation, len(evaluations))
+        self._track().log_eval(evaluation)
+
+    def has_eval_after(self, step: int) -> bool:
+        return any(e["step"] == step for e in stored_evaluations(self.store))
+
+    def close(self) -> None:
+        self.tracker.close()
 
     def _publish(self, record: StepRecord) -> None:
         figures = record.metrics
@@ -155,7 +206,13 @@ class StepRecorder:
             metrics.UNKNOWN_TRAIN_METRICS.inc()
 
     def forget_steps_after(self, step: int) -> tuple[int, int]:
-        """Remove step records and sample rows after ``step``: (records, rows) removed."""
+        """Remove step records, sample rows and evaluations after ``step``: (records, rows)
+        removed."""
+        evaluations = stored_evaluations(self.store)
+        kept = [e for e in evaluations if e["step"] <= step]
+        if len(kept) != len(evaluations):
+            self.store.put(EVALS_KEY, kept)
+            self.state.set_evaluations(kept[-1] if kept else None, len(kept))
         return self.store.forget_steps_after(step), self.samples.forget_steps_after(step)
 
     def write_summary(self) -> None:
@@ -165,6 +222,10 @@ class StepRecorder:
         first = store.measured("reward_mean", 5, last=False)
         final = store.measured("reward_mean", 10, last=True)
         initial_mean, final_mean = _mean(first), _mean(final)
+        evaluations = stored_evaluations(store)
+        measured = [e for e in evaluations if e.get("accuracy") is not None]
+        initial_eval = measured[0] if measured else None
+        final_eval = measured[-1] if len(measured) > 1 else None
         write_summary(
             self.config.run_dir,
             {
@@ -185,5 +246,17 @@ class StepRecorder:
                 "wall_seconds": round(time.monotonic() - self._started, 2),
                 "phase": self.state.phase,
                 "error": self.state.error,
+                # Held-out evaluation (podrl.controller.evaluation): the first and the last one
+                # with figures, and every one in order.
+                "initial_eval": initial_eval,
+                "final_eval": final_eval,
+                "eval_accuracy_gain": final_eval["accuracy"] - initial_eval["accuracy"]
+                if initial_eval and final_eval
+                else None,
+                "evaluations": evaluations,
+                "export": store.get("export"),
+                "tensorboard_dir": str(self.tracker.tensorboard_dir)
+                if self.tracker.tensorboard_dir
+                else None,
             },
         )

@@ -10,11 +10,11 @@ from typing import Any
 
 
 class SampleLog:
-    """Appends one JSON object per sample to ``<run_dir>/samples.jsonl``."""
+    """Appends one JSON object per sample to ``<run_dir>/<name>`` (``samples.jsonl``)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, name: str = "samples.jsonl") -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "samples.jsonl"
+        self.path = run_dir / name
         self._lock = threading.Lock()
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:

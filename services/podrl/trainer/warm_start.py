@@ -6,16 +6,20 @@ to ``max_tokens`` and RL has little signal to start from. A few steps of next-to
 RL. ``podrl warm-start`` runs it and writes a Hugging Face folder the run's trainer and
 generator then load.
 
-The warm-start draws from streams of its own (:func:`warm_start_tasks`): every task is reseeded
-from its run seed, whether the task sets ``seed`` itself or derives it from ``tasks.seed``, so
-the warm-start stream is never the RL run's stream. Independent streams over a small prompt
-space (e.g. the demo's 155 copy prompts) still draw the same prompt texts; only a space much
-larger than both draws keeps them apart.
+What the warm-start sees: the **warm-start part** of each task's prompt space
+(``tasks.definitions[i].split.warm_start``). The parts are fixed by a hash of the prompt text
+(``podrl.tasks.split``), so the warm-start shares no prompt with the RL stream (the training
+part) or the evaluation prompts (the eval part), whatever the seeds. A task without a warm-start
+part lends it its training part, drawn by a stream of its own (:func:`warm_start_tasks`: every
+task reseeded from its run seed, whether the task sets ``seed`` itself or derives it from
+``tasks.seed``); over a small prompt space (e.g. 155 copy prompts) such a stream still draws
+prompt texts of the RL stream, so give every task a ``split.warm_start`` to keep them apart.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from podrl.config import RunConfig
 from podrl.config.tasks import TasksConfig
-from podrl.tasks import build_task_source
+from podrl.tasks import TaskMixture, build_task_source
 from podrl.tasks.base import derive_seed
 from podrl.tasks.factory import task_seed
 
@@ -47,6 +51,12 @@ def warm_start_tasks(tasks: TasksConfig, seed: int) -> TasksConfig:
     return tasks.model_copy(update={"seed": tasks.seed + seed, "definitions": definitions})
 
 
+def warm_start_source(tasks: TasksConfig, seed: int) -> TaskMixture:
+    """The prompts the warm-start trains on: the warm-start part of each task (its training
+    part if it has none), drawn by reseeded streams (:func:`warm_start_tasks`)."""
+    return build_task_source(warm_start_tasks(tasks, seed), part="warm_start")
+
+
 def warm_start(
     config: RunConfig,
     model_dir: Path,
@@ -56,10 +66,12 @@ def warm_start(
     batch_size: int = 32,
     lr: float = 5e-4,
     seed: int = 1234,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> WarmStartResult:
-    """Train ``steps`` supervised steps on task targets; save the model to ``out_dir``."""
+    """Train ``steps`` supervised steps on task targets; save the model to ``out_dir``.
+    ``on_step(step, loss)`` is called after each step (1-based), e.g. for a progress bar."""
     torch.manual_seed(seed)
-    source = build_task_source(warm_start_tasks(config.tasks, seed))  # not the run's stream
+    source = warm_start_source(config.tasks, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -80,6 +92,8 @@ def warm_start(
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(len(losses), losses[-1])
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in model_dir.iterdir():  # tokenizer, chat template, generation config

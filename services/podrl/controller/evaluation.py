@@ -1,0 +1,260 @@
+"""Held-out evaluation: how well the policy answers prompts it never trains on.
+
+``loop.eval_prompts`` prompts are drawn once, at start, from the tasks' evaluation parts
+(``tasks.definitions[i].split.eval``, or a task's ``eval_source``; ``podrl.tasks.split``), so
+every evaluation asks the same questions and the RL stream (the training parts) never holds one
+of them. The training source is not touched: a run with evaluation draws exactly the training
+prompts of the same run without it.
+
+An evaluation generates one greedy completion per prompt (temperature 0, top-p 1, no top-k,
+``n = 1``, the loop's ``max_tokens`` and ``stop``) on the generators, which serve the trainer's
+current policy version, scores them on the graders with the task's rewards, and trains nothing.
+This greedy sampling is the evaluation's own: the loop's sampling (and the config rules that
+refuse temperature 0 for it, docs/config.md) is not changed.
+
+Figures of one evaluation (a record in ``/v1/evals``, ``summary.json``, the dashboard,
+``/metrics`` and the tracking writers):
+
+- ``accuracy``: the share of validly scored prompts whose reward is at least the task's
+  ``pass_threshold`` (default 1.0: for the demo's rewards, an exactly right answer);
+- ``reward_mean``: the mean reward of the validly scored prompts;
+- both per task in ``by_task``; ``score_errors`` counts prompts whose scoring failed (left out of
+  both figures, as in training);
+- ``step`` / ``policy_version``: after which step, and with which weights (step 0 = before the
+  first step); ``when``: initial, periodic or final.
+
+When: before the first step, after every ``loop.eval_every``-th step, and when the run has
+finished. A failed evaluation (a generator or grader failed) is tried again like a step, up to
+``loop.max_step_attempts`` times, then recorded with its ``error`` and no figures; it never fails
+the run. Completions go to ``<run_dir>/eval_samples.jsonl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Gauge
+from pydantic import BaseModel, ConfigDict, Field
+
+from podrl.config import RunConfig
+from podrl.config.loop import SamplingConfig
+from podrl.controller.batch import StepSamples, is_valid
+from podrl.controller.run_outputs import SampleLog
+from podrl.controller.run_store import RunStore
+from podrl.controller.step_errors import StepFailedError
+from podrl.tasks import PromptItem, build_task_source
+from podrl.v1 import common_pb2, grader_pb2
+
+log = logging.getLogger(__name__)
+
+#: RunStore key of the list of evaluation records, in order.
+EVALS_KEY = "evaluations"
+
+EVAL_ACCURACY = Gauge(
+    "podrl_eval_accuracy", "Held-out accuracy of the last evaluation (reward >= pass_threshold)."
+)
+EVAL_REWARD = Gauge("podrl_eval_reward_mean", "Mean reward of the last evaluation.")
+EVAL_STEP = Gauge("podrl_eval_step", "Step after which the last evaluation ran (0 = before).")
+EVAL_TASK_ACCURACY = Gauge(
+    "podrl_eval_task_accuracy", "Held-out accuracy of the last evaluation, by task.", ["task"]
+)
+EVALS = Gauge("podrl_evaluations", "Evaluations recorded in this run.")
+
+
+class EvalView(BaseModel):
+    """One evaluation as /v1/evals serves it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int = Field(description="Evaluated after this step (0 = before the first step).")
+    policy_version: int
+    when: str = Field(description="initial, periodic or final.")
+    prompts: int = Field(description="Evaluation prompts asked.")
+    accuracy: float | None = Field(description="Share of scored prompts that passed.")
+    reward_mean: float | None
+    scored: int | None = None
+    passed: int | None = None
+    score_errors: int | None = None
+    by_task: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    seconds: float
+    finished_at: float
+    error: str | None = None
+
+
+def greedy_sampling(sampling: SamplingConfig) -> SamplingConfig:
+    """One greedy completion per prompt with the loop's length limit and stop strings.
+
+    Built without validation on purpose: ``SamplingConfig`` requires ``n >= 2`` (a GRPO group)
+    and the config rules refuse temperature 0 for the loop; neither applies here."""
+    return SamplingConfig.model_construct(
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop),
+    )
+
+
+def stored_evaluations(store: RunStore) -> list[dict[str, Any]]:
+    """Every evaluation recorded in the run store, in order."""
+    return list(store.get(EVALS_KEY, []))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def score_evaluation(data: StepSamples, thresholds: dict[str, float]) -> dict[str, Any]:
+    """The figures of one evaluation from its (one-sample) groups and their scores. Pure."""
+    by_task: dict[str, dict[str, Any]] = {}
+    rewards: list[float] = []
+    passed = errors = 0
+    for item, sample in data.all_samples():
+        score = data.score_of(item.id, sample)
+        task = by_task.setdefault(item.task, {"prompts": 0, "passed": 0, "rewards": []})
+        task["prompts"] += 1
+        if not is_valid(score):
+            errors += 1
+            continue
+        ok = score.reward >= thresholds[item.task]
+        rewards.append(score.reward)
+        task["rewards"].append(score.reward)
+        task["passed"] += ok
+        passed += ok
+    for task in by_task.values():
+        scored = task.pop("rewards")
+        task["scored"] = len(scored)
+        task["reward_mean"] = _mean(scored)
+        task["accuracy"] = task["passed"] / len(scored) if scored else None
+    return {
+        "prompts": len(data.items),
+        "scored": len(rewards),
+        "passed": passed,
+        "score_errors": errors,
+        "accuracy": passed / len(rewards) if rewards else None,
+        "reward_mean": _mean(rewards),
+        "by_task": by_task,
+    }
+
+
+#: Runs the generate and score phases of one evaluation attempt over ``data`` with the given
+#: sampling (the loop supplies it: it knows the pods, and aligns the generators first).
+RunPhases = Callable[[StepSamples, SamplingConfig], None]
+
+
+class Evaluator:
+    """The run's evaluation set and the evaluations run on it."""
+
+    def __init__(self, config: RunConfig) -> None:
+        loop = config.loop
+        self.enabled = loop.eval_prompts > 0
+        self.every = loop.eval_every
+        self.attempts = loop.max_step_attempts
+        self.sampling = greedy_sampling(loop.sampling)
+        self._thresholds = {task.name: task.pass_threshold for task in config.tasks.definitions}
+        # Drawn once: every evaluation asks the same questions. Its own source object, so the
+        # training stream's position never moves.
+        self.items: list[PromptItem] = (
+            build_task_source(config.tasks, part="eval").next_prompts(loop.eval_prompts)
+            if self.enabled
+            else []
+        )
+        self.samples = SampleLog(config.run_dir, "eval_samples.jsonl")
+
+    def due_after(self, step: int) -> bool:
+        """Whether an evaluation belongs after ``step`` (0: before the first step)."""
+        return self.enabled and (step == 0 or bool(self.every and step % self.every == 0))
+
+    def evaluate(
+        self,
+        step: int,
+        policy_version: int,
+        when: str,
+        run_phases: RunPhases,
+        wait: Callable[[float], object] = time.sleep,
+    ) -> dict[str, Any]:
+        """One evaluation record, retried on a failed phase (module docstring)."""
+        started = time.perf_counter()
+        error: str | None = None
+        figures: dict[str, Any] = {}
+        for attempt in range(1, self.attempts + 1):
+            data = StepSamples(items=list(self.items))
+            try:
+                run_phases(data, self.sampling)
+            except StepFailedError as err:
+                error = str(err)
+                log.error(
+                    "evaluation after step %d, attempt %d/%d failed: %s",
+                    step,
+                    attempt,
+                    self.attempts,
+                    err,
+                )
+                if attempt < self.attempts:
+                    wait(min(2.0 * attempt, 10.0))
+                continue
+            figures, error = score_evaluation(data, self._thresholds), None
+            self._write_samples(step, policy_version, data)
+            break
+        record: dict[str, Any] = {
+            "step": step,
+            "policy_version": policy_version,
+            "when": when,
+            "prompts": len(self.items),
+            "accuracy": None,
+            "reward_mean": None,
+            **figures,
+            "seconds": round(time.perf_counter() - started, 4),
+            "finished_at": time.time(),
+            "error": error,
+        }
+        if error is None:
+            log.info(
+                "evaluation after step %d (version %d): accuracy %s, mean reward %s",
+                step,
+                policy_version,
+                _fmt(record["accuracy"]),
+                _fmt(record["reward_mean"]),
+            )
+        return record
+
+    def _write_samples(self, step: int, policy_version: int, data: StepSamples) -> None:
+        def row(item: PromptItem, sample: common_pb2.Sample) -> dict[str, Any]:
+            score = data.score_of(item.id, sample)
+            valid = is_valid(score)
+            return {
+                "step": step,
+                "policy_version": policy_version,
+                "prompt_id": item.id,
+                "task": item.task,
+                "prompt": item.prompt,
+                "reference": item.reference,
+                "completion": sample.text,
+                "reward": score.reward if valid else None,
+                "passed": valid and score.reward >= self._thresholds[item.task],
+                "score_error": None if valid else grader_pb2.ScoreError.Name(score.error),
+            }
+
+        self.samples.write(row(item, sample) for item, sample in data.all_samples())
+
+
+def publish_evaluation(evaluation: dict[str, Any], count: int) -> None:
+    """The evaluation's figures on /metrics (an evaluation without figures changes nothing)."""
+    EVALS.set(count)
+    if evaluation.get("accuracy") is None:
+        return
+    EVAL_ACCURACY.set(evaluation["accuracy"])
+    EVAL_STEP.set(evaluation["step"])
+    if evaluation.get("reward_mean") is not None:
+        EVAL_REWARD.set(evaluation["reward_mean"])
+    for task, figures in evaluation.get("by_task", {}).items():
+        if figures.get("accuracy") is not None:
+            EVAL_TASK_ACCURACY.labels(task).set(figures["accuracy"])
+
+
+def _fmt(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.3f}"
