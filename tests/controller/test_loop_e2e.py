@@ -20,14 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.local_cluster import LocalCluster
+from podrl.common.grpc_options import open_channel
 from podrl.config import load_config
+from podrl.config.transport import GrpcConfig
 from podrl.models.tiny import make_tiny_model
 from podrl.trainer.warm_start import warm_start
 from podrl.v1 import common_pb2, generator_pb2_grpc, trainer_pb2_grpc
@@ -107,9 +108,13 @@ def _status(cluster: LocalCluster) -> dict[str, Any]:
 
 def _versions(cluster: LocalCluster) -> tuple[Any, Any]:
     """The trainer's and the generator's Info (policy versions) as they answer now."""
-    with grpc.insecure_channel(cluster.child("trainer").grpc_address) as channel:
+    with open_channel(
+        cluster.child("trainer").grpc_address, GrpcConfig(), cluster.credentials()
+    ) as channel:
         trainer = trainer_pb2_grpc.TrainerStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
-    with grpc.insecure_channel(cluster.child("generator").grpc_address) as channel:
+    with open_channel(
+        cluster.child("generator").grpc_address, GrpcConfig(), cluster.credentials()
+    ) as channel:
         generator = generator_pb2_grpc.GeneratorStub(channel).Info(
             common_pb2.InfoRequest(), timeout=10
         )

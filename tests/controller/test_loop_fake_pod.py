@@ -28,6 +28,7 @@ from podrl.grader.main import build_spec as build_grader
 from podrl.tasks import build_task_source
 from podrl.v1 import common_pb2, controller_pb2
 from tests.controller.fake_workers import FakePod, TrainFault
+from tests.foundation.run_secret import credentials
 
 PROMPTS = 3
 GROUP = 4
@@ -111,7 +112,7 @@ def run_loop(tmp_path: Path, grader_address: str) -> RunLoop:
             registry.register("pod-0", component, address, "incarnation-1")
         state = RunState(config.name, registry, 1, config.loop.steps)
         store = RunStore(run_dir / "controller.sqlite")
-        clients = WorkerClients(config.grpc)
+        clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
         loop_ = GrpoLoop(config, state, store, clients, build_task_source(config.tasks))
         loop_.train_phase._backoff = 0.05  # re-send at once: the test waits on real deadlines
         try:

@@ -7,6 +7,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.cli.local_cluster import LocalCluster
+from podrl.common.grpc_options import open_channel
+from podrl.config.transport import GrpcConfig
 
 SERVICES = ["controller", "generator", "grader", "trainer"]
 
@@ -52,7 +54,7 @@ def test_every_worker_registered_with_the_controller(cluster: LocalCluster) -> N
     from podrl.v1 import controller_pb2, controller_pb2_grpc
 
     controller = next(c for c in cluster.children if c.name == "controller")
-    with grpc.insecure_channel(controller.grpc_address) as channel:
+    with open_channel(controller.grpc_address, GrpcConfig(), cluster.credentials()) as channel:
         status = controller_pb2_grpc.ControllerStub(channel).GetStatus(
             controller_pb2.GetStatusRequest(), timeout=5
         )

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.common.processes import free_ports
 from podrl.v1 import generator_pb2_grpc
+from tests.foundation.run_secret import authed_channel
 
 WORKER_ID = "generator-test-worker"
 
@@ -79,7 +80,7 @@ def start_generator(run_dir: Path, extra_env: dict[str, str] | None = None) -> G
             start_new_session=True,
         )
     address = f"127.0.0.1:{grpc_port}"
-    channel = grpc.insecure_channel(address)
+    channel = authed_channel(address)
     gen = GeneratorProcess(
         process=process,
         address=address,

@@ -6,12 +6,12 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
 from podrl.grader.main import build_spec
+from tests.foundation.run_secret import authed_channel
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ class RunningGrader:
         self.process = ServiceProcess(build_spec(config), config)
         self.process.start()
         self.address = f"127.0.0.1:{config.grader.grpc_port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = authed_channel(self.address)
         self.stopped = False
 
     def stop(self) -> None:

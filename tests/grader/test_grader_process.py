@@ -20,6 +20,7 @@ from podrl.config.tasks import TasksConfig
 from podrl.grader.requests import build_score_item
 from podrl.tasks import build_task_source
 from podrl.v1 import grader_pb2, grader_pb2_grpc
+from tests.foundation.run_secret import authed_channel
 from tests.grader.conftest import free_port
 
 DEMO_TASK = {
@@ -52,7 +53,7 @@ def grader_process(tmp_path: Path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    channel = authed_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=60)
         yield process, channel

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.v1 import trainer_pb2_grpc
+from tests.foundation.run_secret import authed_channel
 from tests.trainer.rank_worker import config_env, free_port
 
 
@@ -43,7 +44,7 @@ def trainer_service(
         process = subprocess.Popen(
             [sys.executable, "-m", "podrl.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    channel = authed_channel(f"127.0.0.1:{port}")
     try:
         health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="podrl.v1.Trainer")

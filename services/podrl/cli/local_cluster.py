@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from podrl.cli.probes import grpc_health, http_ready
+from podrl.common.auth import CallerCredentials
 from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
+from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
 
 SERVICES = ("controller", "generator", "grader", "trainer")
 WORKER_ID = "local-0"
@@ -80,6 +83,10 @@ class LocalCluster:
         self.host = host
         self.ports = ports
         self.log_dir = config.run_dir / "logs"
+        # The run secret: a new one at every start, readable by this user only (docs/security.md).
+        self.secret_file = config.run_dir / "run-secret"
+        if not config.auth.disabled:
+            self.overrides[SECRET_FILE_ENV] = str(self.secret_file)
 
     @property
     def rest_url(self) -> str:
@@ -105,9 +112,11 @@ class LocalCluster:
             cmd += ["--config", self.config_path]
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log_file:
+            # The launcher's own secret variables never reach the children: they use its file.
+            inherited = {k: v for k, v in os.environ.items() if k != SECRET_VALUE_ENV}
             process = subprocess.Popen(
                 cmd,
-                env={**os.environ, **self.overrides},
+                env={**inherited, **self.overrides},
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -116,8 +125,27 @@ class LocalCluster:
             )
         return Child(name, process, log_path, f"{self.host}:{self.ports[grpc_ports[name]]}")
 
+    def _write_secret(self) -> None:
+        """A fresh random secret in ``secret_file``, mode 0600 from its creation on (written
+        to a new file and renamed over the old one, so no reader sees it half written)."""
+        fresh = self.secret_file.with_name(f".{self.secret_file.name}.{os.getpid()}")
+        fresh.unlink(missing_ok=True)
+        descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write(secrets.token_hex(32) + "\n")
+        os.replace(fresh, self.secret_file)
+
+    def credentials(self, role: str = "controller") -> CallerCredentials | None:
+        """Credentials of ``role`` for calls into this cluster (tools, tests); None when the
+        run's auth is disabled."""
+        return CallerCredentials.for_role(
+            role, WORKER_ID, self.config.auth, {SECRET_FILE_ENV: str(self.secret_file)}
+        )
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.config.auth.disabled:
+            self._write_secret()
         self.children = [self._spawn(name) for name in SERVICES]
 
     def child(self, name: str) -> Child:

@@ -9,11 +9,23 @@ from collections.abc import Callable
 
 import grpc
 
+from podrl.common.auth import CallerCredentials
 from podrl.common.grpc_options import open_channel
 from podrl.config.run_config import RunConfig
 from podrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Answers to Register that mean "not like this" rather than "not now".
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 
 
 class MembershipClient:
@@ -21,7 +33,8 @@ class MembershipClient:
 
     Registration is retried with capped back-off (the controller may start after the worker or
     restart mid-run); a heartbeat answered with ``registered=False`` triggers a new registration.
-    Every call carries a deadline, so a dead controller never blocks the worker.
+    Every call carries a deadline, so a dead controller never blocks the worker, and the
+    process's run credentials (``credentials``; None only when the run's auth is disabled).
     """
 
     def __init__(
@@ -31,6 +44,7 @@ class MembershipClient:
         address: str,
         info: common_pb2.ServiceInfo,
         policy_version: Callable[[], int] | None = None,
+        credentials: CallerCredentials | None = None,
     ) -> None:
         self._config = config
         self._component = component
@@ -42,7 +56,7 @@ class MembershipClient:
         self._state = controller_pb2.WORKER_STATE_SERVING
         self._interval = config.controller.heartbeat_interval_seconds
         self._timeout = min(config.grpc.call_timeout_seconds, 5.0)
-        self._channel = open_channel(config.controller.address, config.grpc)
+        self._channel = open_channel(config.controller.address, config.grpc, credentials)
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self.registered = threading.Event()
@@ -63,7 +77,10 @@ class MembershipClient:
                 timeout=self._timeout,
             )
         except grpc.RpcError as err:
-            log.debug("register with controller failed: %s", err.code())
+            if err.code() in _REFUSALS:  # retrying will not help until someone fixes it: say so
+                log.warning("the controller refused the registration: %s", err.details())
+            else:  # not up yet, or restarting
+                log.debug("register with controller failed: %s", err.code())
             return False
         self._interval = reply.heartbeat_interval_seconds or self._interval
         self.registered.set()

@@ -1,8 +1,11 @@
 """The process lifecycle every podrl service shares.
 
-start: parse ``--config``, validate the run config once, set up logs, start the gRPC server
-(with ``grpc.health.v1`` for "" and the service's own name, reflection, bounded message sizes,
-metrics), start side servers (Prometheus, REST), register with the controller.
+start: parse ``--config``, validate the run config once and read the run secret (a bad config
+or a missing secret: exit 2), set up logs, start the gRPC server (with ``grpc.health.v1`` for ""
+and the service's own name, reflection, bounded message sizes, metrics, and the run's
+authentication on every other RPC: ``podrl.common.auth``), start side servers (Prometheus,
+REST), register with the controller. A port that cannot be bound stops the service with exit 2
+and a message naming the port's config field.
 
 stop (SIGTERM or SIGINT): health → NOT_SERVING, tell the controller we are draining, let
 in-flight RPCs finish within ``grpc.shutdown_grace_seconds``, stop side servers, exit 0.
@@ -12,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,7 +30,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 import podrl
-from podrl.common.grpc_options import channel_options
+from podrl.common.auth import AuthServerInterceptor, CallerCredentials, load_run_secret
+from podrl.common.grpc_options import server_options
 from podrl.common.logs import setup_logging
 from podrl.common.membership import MembershipClient
 from podrl.common.metrics import SERVICE_UP, MetricsInterceptor
@@ -45,16 +50,29 @@ class SideServer(Protocol):
     def stop(self) -> None: ...
 
 
+def port_in_use_error(field_name: str, host: str, port: int, err: OSError | None) -> ConfigError:
+    """The error a service stops with (exit 2) when ``host:port`` of ``field_name`` (e.g.
+    ``grader.metrics_port``) cannot be bound."""
+    env_name = "PODRL_" + field_name.upper().replace(".", "__")
+    cause = f" ({err.strerror or err})" if err is not None else " (port in use or host not local)"
+    return ConfigError(
+        f"{field_name}: cannot listen on {host}:{port}{cause}; choose another port with {env_name}"
+    )
+
+
 class PrometheusServer:
     """prometheus_client's own HTTP exporter on ``port`` (0 = disabled)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._host, self._port = host, port
+    def __init__(self, host: str, port: int, field_name: str = "metrics_port") -> None:
+        self._host, self._port, self._field = host, port, field_name
         self._server = None
 
     def start(self) -> None:
         if self._port:
-            self._server, _ = start_http_server(self._port, addr=self._host)
+            try:
+                self._server, _ = start_http_server(self._port, addr=self._host)
+            except OSError as err:
+                raise port_in_use_error(self._field, self._host, self._port, err) from None
             log.info("metrics on http://%s:%d/metrics", self._host, self._port)
 
     def stop(self) -> None:
@@ -91,18 +109,26 @@ class ServiceSpec:
 
 
 class ServiceProcess:
-    """Runs one ServiceSpec until a stop signal; see the module docstring."""
+    """Runs one ServiceSpec until a stop signal; see the module docstring.
 
-    def __init__(self, spec: ServiceSpec, config: RunConfig) -> None:
+    The run secret comes from ``env`` (default: this process's environment); without one the
+    constructor raises ConfigError, unless the config says ``auth.disabled``.
+    """
+
+    def __init__(
+        self, spec: ServiceSpec, config: RunConfig, env: Mapping[str, str] | None = None
+    ) -> None:
         self.spec = spec
         self.config = config
         self.stopping = threading.Event()
+        self.secret = load_run_secret(config.auth, env)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=config.grpc.max_workers, thread_name_prefix=f"{spec.name}-rpc"
             ),
-            interceptors=[MetricsInterceptor()],
-            options=channel_options(config.grpc),
+            # Metrics first: refused calls are counted too (grpc_code UNAUTHENTICATED, ...).
+            interceptors=[MetricsInterceptor(), AuthServerInterceptor(self.secret)],
+            options=server_options(config.grpc),
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -129,12 +155,19 @@ class ServiceProcess:
         except RuntimeError:
             bound = 0
         if not bound:
-            raise ConfigError(
-                f"{self.spec.name}.grpc_port: cannot listen on {bind} (port in use or host not "
-                f"local); choose another port with PODRL_{self.spec.name.upper()}__GRPC_PORT"
+            raise port_in_use_error(
+                f"{self.spec.name}.grpc_port", section.bind_host, section.grpc_port, None
             )
-        for side in self.spec.side_servers:
-            side.start()
+        started: list[SideServer] = []
+        try:
+            for side in self.spec.side_servers:
+                side.start()
+                started.append(side)
+        except BaseException:  # e.g. its port in use: stop the ones already running, then exit
+            for side in reversed(started):
+                side.stop()
+            self.server.stop(grace=None)
+            raise
         if self.spec.until_ready is not None:
             self._set_serving(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.start()
@@ -154,12 +187,16 @@ class ServiceProcess:
                 worker_id=self.config.worker_id,
                 details=self.spec.details,
             )
+            credentials = None
+            if self.secret is not None:
+                credentials = CallerCredentials(self.secret, self.spec.name, self.config.worker_id)
             self.membership = MembershipClient(
                 self.config,
                 self.spec.component,
                 section.address,
                 info,
                 policy_version=self.spec.policy_version,
+                credentials=credentials,
             )
             self.membership.start()
 
@@ -227,14 +264,17 @@ def worker_spec(
         section=section,
         component=_WORKER_COMPONENTS[name],
         add_servicers=lambda server: add_servicer(servicer, server),
-        side_servers=[PrometheusServer(section.bind_host, section.metrics_port)],
+        side_servers=[
+            PrometheusServer(section.bind_host, section.metrics_port, f"{name}.metrics_port")
+        ],
         on_close=list(on_close),
         until_ready=until_ready,
     )
 
 
 def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
-    """``podrl-<name> [--config FILE]`` → validated RunConfig (exits 2 on a bad config)."""
+    """``podrl-<name> [--config FILE]`` → validated RunConfig (exits 2 on a bad config, or
+    when the run secret is missing or unreadable: checked here, before any slow start-up)."""
     parser = argparse.ArgumentParser(
         prog=f"podrl-{name}",
         description=f"Run the podrl {name} service. Every config field can also be set as "
@@ -243,7 +283,9 @@ def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
     parser.add_argument("--config", help="run config YAML (default: $PODRL_CONFIG or built-ins)")
     args = parser.parse_args(argv)
     try:
-        return load_config(args.config)
+        config = load_config(args.config)
+        load_run_secret(config.auth, os.environ)
+        return config
     except ConfigError as err:
         print(f"podrl-{name}: {err}", file=sys.stderr)
         raise SystemExit(2) from None

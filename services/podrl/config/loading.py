@@ -17,10 +17,12 @@ from podrl.config.run_config import RunConfig
 
 ENV_PREFIX = "PODRL_"
 ENV_NESTING = "__"
-# PODRL_* variables that are not run-config overrides: the config file itself, the file
-# holding the run's shared secret (mounted by the Helm chart; read by the services' auth), and
+# PODRL_* variables that are not run-config overrides: the config file itself, the run's
+# shared secret (a file, or the value; read by podrl.common.auth, never part of the config), and
 # the fault plan of chaos tests (podrl.common.faults).
-NOT_OVERRIDES = frozenset({"PODRL_CONFIG", "PODRL_RUN_SECRET_FILE", "PODRL_FAULTS"})
+NOT_OVERRIDES = frozenset(
+    {"PODRL_CONFIG", "PODRL_RUN_SECRET_FILE", "PODRL_RUN_SECRET", "PODRL_FAULTS"}
+)
 
 
 class ConfigError(ValueError):
@@ -50,13 +52,50 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return overrides
 
 
-def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def _env_name(where: str, key: object) -> str:
+    """The variable that sets ``key`` under ``where`` ("" = the root)."""
+    return f"{where}{ENV_NESTING}{key}".upper() if where else f"{ENV_PREFIX}{key}".upper()
+
+
+def _is_index_map(value: Any) -> bool:
+    """``{"0": {...}}``: what ``PODRL_TASKS__DEFINITIONS__0__NAME`` makes of a list item."""
+    return isinstance(value, Mapping) and bool(value) and all(str(k).isdigit() for k in value)
+
+
+def _merge_into_list(base: list[Any], override: Mapping[str, Any], where: str) -> list[Any]:
+    """Items of ``base`` overridden by index; the next free index appends an item."""
+    merged = list(base)
+    for key, value in sorted(override.items(), key=lambda item: int(item[0])):
+        index, name = int(key), _env_name(where, key)
+        if index > len(merged):
+            raise ConfigError(
+                f"environment variable {name}{ENV_NESTING}...: the list {where} sets holds "
+                f"{len(merged)} item(s); override one of items 0 to {len(merged) - 1} or add "
+                f"item {len(merged)}"
+            )
+        if index == len(merged):
+            merged.append(_merge_value(None, value, name))
+        else:
+            merged[index] = _merge_value(merged[index], value, name)
+    return merged
+
+
+def _merge_value(current: Any, value: Any, where: str) -> Any:
+    if isinstance(value, Mapping) and isinstance(current, Mapping):
+        return _deep_merge(dict(current), value, where)
+    if _is_index_map(value):  # a list item's field (a validation error's hint names it so)
+        return _merge_into_list(current if isinstance(current, list) else [], value, where)
+    if isinstance(value, Mapping):
+        return _deep_merge({}, value, where)
+    return value
+
+
+def _deep_merge(
+    base: dict[str, Any], override: Mapping[str, Any], where: str = ""
+) -> dict[str, Any]:
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _deep_merge(dict(merged[key]), value)
-        else:
-            merged[key] = value
+        merged[key] = _merge_value(merged.get(key), value, _env_name(where, key))
     return merged
 
 

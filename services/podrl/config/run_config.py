@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from podrl.config.auth import AuthConfig
 from podrl.config.base import Section, ServiceSection
 from podrl.config.controller import ControllerConfig
 from podrl.config.coupling import apply_coupling_rules
@@ -30,6 +31,7 @@ from podrl.config.trainer import TrainerConfig
 from podrl.config.transport import GrpcConfig, LogConfig
 
 __all__ = [
+    "AuthConfig",
     "ControllerConfig",
     "GeneratorConfig",
     "GraderConfig",
@@ -60,6 +62,7 @@ class RunConfig(Section):
     )
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     grader: GraderConfig = Field(default_factory=GraderConfig)

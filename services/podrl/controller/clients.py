@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import grpc
 
+from podrl.common.auth import CallerCredentials
 from podrl.common.grpc_options import open_channel
 from podrl.config.transport import GrpcConfig
 from podrl.v1 import generator_pb2_grpc, grader_pb2_grpc, trainer_pb2_grpc
@@ -36,10 +37,12 @@ def fan_out(pool: ThreadPoolExecutor, calls: list[Callable[[], T]]) -> list[T]:
 
 
 class WorkerClients:
-    """One channel per worker address, reused across steps; closed on shutdown."""
+    """One channel per worker address, reused across steps; closed on shutdown. Every call
+    carries ``credentials`` (the controller's; None only when the run's auth is disabled)."""
 
-    def __init__(self, config: GrpcConfig) -> None:
+    def __init__(self, config: GrpcConfig, credentials: CallerCredentials | None = None) -> None:
         self.config = config
+        self.credentials = credentials
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -47,7 +50,9 @@ class WorkerClients:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = open_channel(address, self.config)
+                channel = self._channels[address] = open_channel(
+                    address, self.config, self.credentials
+                )
             return channel
 
     def generator(self, address: str) -> generator_pb2_grpc.GeneratorStub:

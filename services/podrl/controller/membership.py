@@ -1,12 +1,22 @@
-"""Controller side of membership: who is registered, who is healthy, which pods are complete."""
+"""Controller side of membership: who is registered, who is healthy, which pods are complete.
+
+The registry is bounded: worker ids, addresses and incarnations are validated and bounded in
+length, at most ``max_members`` processes are registered at once, and a member not heard from
+for ``expire_after_seconds`` is removed. A (worker id, component) that a live process holds is
+not taken over by a process at another address until the holder drains, is marked unreachable
+or stops heartbeating (probes 30–33 and 35 of the 2026-12-01 probe).
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from podrl.common.auth import worker_id_problem
 from podrl.v1 import controller_pb2
 
 COMPONENT_NAMES = {
@@ -22,6 +32,58 @@ STATE_NAMES = {
 }
 #: A worker pod is usable once it runs one of each.
 POD_COMPONENTS = frozenset(COMPONENT_NAMES)
+
+#: Registered processes at most (three per worker pod).
+MAX_MEMBERS = 3 * 1024
+#: An incarnation is a random id per process start (podrl sends 32 hex digits).
+MAX_INCARNATION_CHARS = 128
+_INCARNATION = re.compile(r"[!-~]+")  # printable ASCII, no spaces
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+class RegistrationError(ValueError):
+    """A request the registry refuses; ``field`` names the request field at fault."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
+class WorkerIdTakenError(RegistrationError):
+    """The (worker id, component) belongs to a live process at another address."""
+
+
+class RegistryFullError(RegistrationError):
+    """``max_members`` processes are registered and none has expired."""
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not ``host:port`` a worker can be dialled at, or None."""
+    if len(address) > 261:  # 253 for the host name, brackets, a colon, 5 digits
+        return f"is {len(address)} characters long; a host:port has at most 261"
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        return f"must be host:port (got {address!r})"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"port must be a number from 1 to 65535 (got {port!r} in {address!r})"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"host {host!r} is not an IPv6 address"
+        return None
+    labels = host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return f"host {host!r} is neither a host name nor an IP address ([v6] in brackets)"
+    return None
+
+
+def incarnation_problem(incarnation: str) -> str | None:
+    if not incarnation:
+        return "must not be empty (a random id of the process start)"
+    if len(incarnation) > MAX_INCARNATION_CHARS or not _INCARNATION.fullmatch(incarnation):
+        return f"must be 1 to {MAX_INCARNATION_CHARS} printable ASCII characters"
+    return None
 
 
 @dataclass
@@ -59,27 +121,81 @@ class MemberView:
 
 
 class MemberRegistry:
-    """Thread-safe table of registered processes, keyed by (worker_id, component)."""
+    """Thread-safe table of registered processes, keyed by (worker_id, component); bounded
+    (see the module docstring). ``expire_after_seconds`` defaults to six heartbeat timeouts,
+    at least a minute."""
 
     def __init__(
-        self, heartbeat_timeout_seconds: float, clock: Callable[[], float] = time.monotonic
+        self,
+        heartbeat_timeout_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_members: int = MAX_MEMBERS,
+        expire_after_seconds: float | None = None,
     ) -> None:
         self._timeout = heartbeat_timeout_seconds
         self._clock = clock
+        self._max_members = max_members
+        self._expire_after = (
+            expire_after_seconds
+            if expire_after_seconds is not None
+            else max(60.0, 6 * heartbeat_timeout_seconds)
+        )
         self._lock = threading.Lock()
         self._members: dict[tuple[str, int], Member] = {}
 
+    def _expire(self, now: float) -> None:
+        """Forget members not heard from for ``expire_after_seconds`` (lock held)."""
+        gone = [k for k, m in self._members.items() if now - m.last_seen > self._expire_after]
+        for key in gone:
+            del self._members[key]
+
     def register(self, worker_id: str, component: int, address: str, incarnation: str) -> None:
+        """Add or replace the member; raises RegistrationError (a bad field), WorkerIdTakenError
+        or RegistryFullError, leaving the registry as it was."""
         if component not in COMPONENT_NAMES:
-            raise ValueError(f"unknown component {component}")
+            raise RegistrationError(
+                "component", f"must be GENERATOR, GRADER or TRAINER ({component})"
+            )
+        for field_name, problem in (
+            ("worker_id", worker_id_problem(worker_id)),
+            ("address", address_problem(address)),
+            ("incarnation", incarnation_problem(incarnation)),
+        ):
+            if problem:
+                raise RegistrationError(field_name, problem)
+        now = self._clock()
         with self._lock:
-            self._members[(worker_id, component)] = Member(
+            self._expire(now)
+            key = (worker_id, component)
+            held = self._members.get(key)
+            if (
+                held is not None
+                and held.incarnation != incarnation
+                and held.address != address
+                and held.state
+                in (controller_pb2.WORKER_STATE_SERVING, controller_pb2.WORKER_STATE_STARTING)
+                and now - held.last_seen <= self._timeout
+            ):
+                raise WorkerIdTakenError(
+                    "worker_id",
+                    f"{worker_id!r}: its {COMPONENT_NAMES[component]} is registered at "
+                    f"{held.address} and still heartbeating; a process at {address} may take "
+                    "its place once it drains or its heartbeats stop for "
+                    f"controller.heartbeat_timeout_seconds ({self._timeout:g} s)",
+                )
+            if held is None and len(self._members) >= self._max_members:
+                raise RegistryFullError(
+                    "worker_id",
+                    f"{worker_id!r} cannot be registered: {len(self._members)} processes are "
+                    f"registered, the most the controller keeps ({self._max_members})",
+                )
+            self._members[key] = Member(
                 worker_id=worker_id,
                 component=component,
                 address=address,
                 incarnation=incarnation,
                 state=controller_pb2.WORKER_STATE_SERVING,
-                last_seen=self._clock(),
+                last_seen=now,
             )
 
     def heartbeat(
@@ -96,9 +212,11 @@ class MemberRegistry:
             return True
 
     def drain(self, worker_id: str, component: int, incarnation: str) -> bool:
+        """Mark that incarnation draining; False when it is not the registered one (an empty
+        incarnation matches none: a drain must name the process it ends, probe 33)."""
         with self._lock:
             member = self._members.get((worker_id, component))
-            if member is None or (incarnation and member.incarnation != incarnation):
+            if member is None or not incarnation or member.incarnation != incarnation:
                 return False
             member.state = controller_pb2.WORKER_STATE_DRAINING
             return True
@@ -120,6 +238,7 @@ class MemberRegistry:
     def members(self) -> list[MemberView]:
         now = self._clock()
         with self._lock:
+            self._expire(now)
             return [
                 MemberView(
                     worker_id=m.worker_id,
