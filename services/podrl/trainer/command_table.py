@@ -18,6 +18,7 @@ TRAIN = "train"
 SAVE_CHECKPOINT = "save_checkpoint"
 LOAD_CHECKPOINT = "load_checkpoint"
 EXPORT_HF = "export_hf"
+PARAMETERS_DIGEST = "parameters_digest"
 
 
 def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
@@ -44,10 +45,17 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
         files = engine.export_hf(Path(request.path))
         return trainer_pb2.ExportHFResponse(path=request.path, files=files).SerializeToString()
 
+    def digest(_payload: bytes) -> bytes:
+        sha256 = engine.parameters_digest()
+        return trainer_pb2.ParametersDigestResponse(
+            policy_version=engine.policy_version, step=engine.step, sha256=sha256
+        ).SerializeToString()
+
     loop.register(TRAIN, train)
     loop.register(SAVE_CHECKPOINT, save)
     loop.register(LOAD_CHECKPOINT, load)
     loop.register(EXPORT_HF, export)
+    loop.register(PARAMETERS_DIGEST, digest)
 
 
 def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:

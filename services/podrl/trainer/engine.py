@@ -13,10 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from podrl.algorithms.losses import LossSettings, policy_loss
@@ -26,10 +28,8 @@ from podrl.trainer import checkpoint, export
 from podrl.trainer.batch import (
     BatchLimits,
     MicroBatch,
-    batch_totals,
     collate,
     split_for_rank,
-    validate_train_request,
 )
 from podrl.trainer.grad_norm import clip_grad_norm
 from podrl.trainer.logprobs import (
@@ -47,8 +47,12 @@ from podrl.trainer.parallel import (
     resolve_device,
     resolve_model_path,
 )
+from podrl.trainer.replication import share_totals, validate_share
 from podrl.trainer.schedule import lr_multiplier
 from podrl.v1 import trainer_pb2
+
+if TYPE_CHECKING:
+    from podrl.trainer.replication import CrossPodReplica
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +163,8 @@ class TrainerEngine:
         # Checks that may refuse a step before any rank starts it (e.g. weights published from
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
         self.train_gates: list[Callable[[], None]] = []
+        # Data parallelism across pods (podrl.trainer.replication): built by the first Train.
+        self.replica: CrossPodReplica | None = None
         log.info(
             "trainer rank %d/%d: %s on %s, mesh %s",
             self.env.rank,
@@ -182,10 +188,21 @@ class TrainerEngine:
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    @property
+    def replicated(self) -> bool:
+        """True if every step is one data-parallel step of the pods at the Lighthouse."""
+        return self.settings.replication.enabled
+
     def validate(self, request: trainer_pb2.TrainRequest) -> None:
         """Raise BatchError if ``request`` must not be trained on, TrainNotAllowedError if the
-        trainer may not step now (rank 0, before broadcast)."""
-        validate_train_request(request, self.policy_version, self.limits)
+        trainer may not step now (rank 0, before broadcast). Replicated, the batch is checked
+        inside the step instead (after a heal, the version is the peers'): see
+        :meth:`check_gates`."""
+        validate_share(request, self.policy_version, self.limits, self.replicated)
+        self.check_gates()
+
+    def check_gates(self) -> None:
+        """Raise TrainNotAllowedError if the trainer may not step now."""
         for gate in self.train_gates:
             gate()
 
@@ -266,8 +283,15 @@ class TrainerEngine:
         4. ``optimizer.step``, ``scheduler.step`` and the version bump run together, with no
            collective between them: the step is now applied on every rank. A failure in the
            bookkeeping after it is logged and does not undo or hide the applied step.
+
+        Across pods (``trainer.replication``, :mod:`podrl.trainer.replication`), the pod is one
+        torchft replica group: before 1 the step's quorum of pods forms (a pod behind the others
+        heals from one first) and the request is checked; in 3 the vote, the metric sums and
+        the gradients are summed over the pods before clipping; before 4 torchft's commit vote
+        runs, and a failed one raises :class:`StepAbortedError` with nothing stepped.
         """
         started = time.monotonic()
+        replica = self._join_pods(request) if self.replicated else None
         version = self.policy_version
         lr = self.learning_rate
         # A failed earlier attempt may have left gradients behind: never add them to this step.
@@ -277,17 +301,32 @@ class TrainerEngine:
             sums, diff_max = self._forward_backward(request)
         except Exception as err:  # reported through the agreement, then raised on every rank
             failure = err
-        self._agree(failure, version, "computing its gradients")
         try:
-            dp_group = self.mesh["dp_shard"].get_group()
-            if self.dp_size > 1:
-                dist.all_reduce(sums, group=dp_group)
-                dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
-            grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
-            faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
-        except Exception as err:
-            failure = err
-        self._agree(failure, version, "reducing metrics and gradients")
+            self._agree(failure, version, "computing its gradients")
+            try:
+                dp_group = self.mesh["dp_shard"].get_group()
+                if self.dp_size > 1:
+                    dist.all_reduce(sums, group=dp_group)
+                    dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
+                if replica is not None:  # the other pods' parts: sums and gradients add up
+                    sums, diff_max = replica.exchange(
+                        sums, diff_max, self.model.parameters(), version
+                    )
+                grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
+                faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
+            except Exception as err:
+                failure = err
+            self._agree(failure, version, "reducing metrics and gradients")
+        except StepAbortedError as aborted:
+            if replica is not None:  # peers waiting for this pod's vote hear that it failed
+                replica.abort(aborted)
+            raise
+        if replica is not None and not replica.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepAbortedError(
+                f"the cross-pod commit of version {version + 1} failed (a peer pod left or a "
+                f"cross-pod operation broke); version {version} is unchanged on this pod"
+            )
         metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), diff_max, grad_norm, lr)
         # The commit: from here to the version bump nothing may fail between ranks.
         self.optimizer.step()
@@ -314,6 +353,31 @@ class TrainerEngine:
         self.last_train = AppliedTrain(request.batch_id, response)
         return response
 
+    def _join_pods(self, request: trainer_pb2.TrainRequest) -> CrossPodReplica:
+        """Every rank: this step's quorum of pods, a heal if this pod is behind, then the
+        batch check; raises BatchError or StepAbortedError (nothing stepped)."""
+        from podrl.trainer.replication import CrossPodReplica, ReplicaStepError
+
+        if self.replica is None:
+            self.replica = CrossPodReplica(
+                self,
+                self.settings.replication,
+                replica_id=self.config.worker_id,
+                advertise_host=self.settings.advertise_host,
+                pod_group=self._agreement_group,
+                metric_count=len(_SUMS),
+            )
+        try:
+            self.replica.begin(
+                request,
+                lambda: validate_share(request, self.policy_version, self.limits, True),
+            )
+        except ReplicaStepError as err:
+            raise StepAbortedError(
+                f"{err} (policy version {self.policy_version} on this pod)"
+            ) from err
+        return self.replica
+
     def _forward_backward(
         self, request: trainer_pb2.TrainRequest
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,9 +385,15 @@ class TrainerEngine:
         accumulate in the parameters; the metric sums ``_SUMS`` and the largest logprob gap of
         this rank are returned (not yet reduced over ranks)."""
         sequences = list(request.sequences)
-        totals = batch_totals(sequences)
+        # The whole batch's counts: a pod's share divides by them too (its gradient is a part).
+        totals = share_totals(request)
         micro_batches = split_for_rank(
-            sequences, self.dp_rank, self.dp_size, self.settings.micro_batch_size
+            sequences,
+            self.dp_rank,
+            self.dp_size,
+            self.settings.micro_batch_size,
+            self.settings.micro_batch_tokens,
+            packed=self.settings.packing,
         )
         self.model.train()
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -422,6 +492,18 @@ class TrainerEngine:
         """Write a Hugging Face safetensors folder (rank 0 writes; every rank must call)."""
         return export.export_hf(self.model, self.model_path, Path(path), self.env.rank)
 
+    def parameters_digest(self) -> str:
+        """Every rank (a collective): sha256 of the full parameters (rank 0; "" elsewhere)."""
+        from podrl.trainer.replication import parameters_digest
+
+        # A forward without backward leaves FSDP2's root unsharded: digest the sharded ones.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return parameters_digest(self.model)
+
     def close(self) -> None:
+        if self.replica is not None:
+            self.replica.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,7 +11,10 @@ Train (docs/trainer.md):
 * idempotent by ``TrainRequest.batch_id``: the batch applied last is answered with its stored
   reply and trains nothing; a retry sent while the first call runs waits for it (the lock);
 * every RPC that runs a command holds one lock, so PublishWeights/AcknowledgeWeights never land
-  between a Train's gate check and its step.
+  between a Train's gate check and its step;
+* across pods (``trainer.replication``), the batch is checked inside the step, once this pod
+  has joined the step's quorum and healed if it was behind: every rank refusing it alike →
+  INVALID_ARGUMENT; a peer pod failing or leaving → ABORTED (nothing stepped on this pod).
 """
 
 from __future__ import annotations
@@ -67,7 +70,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 stored.CopyFrom(applied.response)
                 return stored
             try:
-                self._engine.validate(request)
+                if self._engine.replicated:
+                    # The batch is checked inside the step, after this pod has joined the
+                    # step's quorum (and healed, if it was behind the others).
+                    self._engine.check_gates()
+                else:
+                    self._engine.validate(request)
             except BatchError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
             except TrainNotAllowedError as err:
@@ -76,8 +84,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 payloads = self._loop.run(command_table.TRAIN, request.SerializeToString())
             except RankCommandError as err:
                 log.error("%s", err)
+                errors = list(err.errors.values())
+                refused = f"{BatchError.__name__}: "
+                if all(e.startswith(refused) for e in errors):
+                    # Replicated: every rank checked the batch inside the step and refused it.
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"TrainRequest.{err.errors[min(err.errors)][len(refused) :]}",
+                    )
                 # Every rank refused the step alike: nothing changed, the batch may come again.
-                aborted = all(e.startswith(StepAbortedError.__name__) for e in err.errors.values())
+                aborted = all(e.startswith(StepAbortedError.__name__) for e in errors)
                 code = grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL
                 context.abort(code, str(err))
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
@@ -190,6 +206,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             self._run(ACKNOWLEDGE_WEIGHTS, request, context)
         return trainer_pb2.AcknowledgeWeightsResponse()
 
+    def ParametersDigest(
+        self, request: trainer_pb2.ParametersDigestRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.ParametersDigestResponse:
+        with self._lock:  # the parameters of one version: never while a step runs
+            reply = self._run(command_table.PARAMETERS_DIGEST, request, context)
+        return trainer_pb2.ParametersDigestResponse.FromString(reply)
+
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerInfo:
@@ -204,6 +227,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     "device": str(engine.device),
                     "loss_mode": self._config.trainer.loss_mode,
                     "learning_rate": f"{engine.learning_rate:.3g}",
+                    "lighthouse": self._config.trainer.replication.lighthouse_address,
                 },
             ),
             model=str(engine.model_path),

@@ -1,0 +1,592 @@
+"""Data parallelism across worker pods: every pod's trainer is one torchft replica group.
+
+With ``trainer.replication.lighthouse_address`` set, each Train is one step of a torchft
+``Manager`` (docs/scaling.md, "Trainers across pods"); inside the pod FSDP2/TP run as before,
+and the pod's ranks 0..n-1 are the replica group's ranks (rank r of every pod exchanges with
+rank r of the others, over a process group that torchft rebuilds when the quorum changes:
+gloo on CPU, NCCL on CUDA). One step:
+
+1. **join** (:meth:`CrossPodReplica.begin`): the Lighthouse forms a quorum of the pods that
+   ask; a pod behind the most advanced one (a new pod at version 0, one whose last step did
+   not commit) **heals** first: it fetches parameters, optimizer state, schedule, step and
+   policy version from a peer (torchft's HTTP checkpoint transport), so its version check
+   sees the peers' version. Then the pods add up what they hold: their shares must make up
+   the request's batch (``global_sequences``, ``global_completion_tokens``) and their number
+   must be ``TrainRequest.pods``. A quorum that misses a pod (torchft forms a quorum as soon
+   as the previous one's members are back, before a newcomer's request arrives) is formed
+   again, until ``quorum_timeout_seconds``. A pod that refuses its share (INVALID_ARGUMENT)
+   says so here, and every other pod aborts too.
+2. forward/backward on the pod's share, with the batch-wide totals as the loss's
+   denominators (so per-pod gradients are parts of one sum);
+3. **exchange** (:meth:`CrossPodReplica.exchange`): a vote (did every pod compute its
+   gradients?) carrying the metric sums, then the SUM of every gradient over the pods (torchft
+   averages by default; podrl's losses are already batch-wide sums). Clipping then sees the
+   whole batch's gradient;
+4. **commit** (:meth:`CrossPodReplica.commit`): torchft's ``should_commit``: no rank of this pod
+   saw an error in any cross-pod operation. Only then do the optimizer, the schedule and the
+   version move. Otherwise nothing changed on this pod and Train answers ABORTED.
+
+A pod that dies mid-step breaks the exchange of the others: they answer ABORTED with nothing
+changed, and the controller sends that step's batch again, split over the pods left.
+
+The Manager starts with the first Train, not with the trainer: a pod that runs but was never
+sent a Train does not heartbeat to the Lighthouse, so it cannot hold up others' quorums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only, tree_unflatten
+
+from podrl.algorithms.losses import BatchTotals
+from podrl.common import faults
+from podrl.config.trainer import ReplicationConfig
+from podrl.trainer.batch import BatchError, BatchLimits, batch_totals, validate_train_request
+from podrl.v1 import trainer_pb2
+
+if TYPE_CHECKING:
+    from podrl.trainer.engine import TrainerEngine
+
+log = logging.getLogger(__name__)
+
+# Gradients cross pods in flat buffers of about this size (one all-reduce each).
+GRADIENT_BUCKET_BYTES = 256 << 20
+# A quorum that misses a pod is asked for again after this pause (doubling up to 1 s).
+QUORUM_RETRY_SECONDS = 0.1
+
+
+class ReplicaStepError(RuntimeError):
+    """This step cannot be trained across the pods (a peer failed or refused, the quorum
+    never held the step's pods, a cross-pod operation failed); nothing was stepped on this
+    pod (the engine raises it as StepAbortedError → ABORTED)."""
+
+
+class ReplicaStateError(RuntimeError):
+    """A peer's state cannot be loaded here (another mesh or model); the message says which."""
+
+
+# -- requests: a pod's share of a batch ------------------------------------------------------
+
+
+def is_share(request: trainer_pb2.TrainRequest) -> bool:
+    """True if the request carries batch-wide totals (it may be a part of a larger batch)."""
+    return bool(request.global_sequences or request.global_completion_tokens)
+
+
+def share_totals(request: trainer_pb2.TrainRequest) -> BatchTotals:
+    """The loss's denominators: the whole batch's counts (the request's own when it is the
+    whole batch)."""
+    if is_share(request):
+        return BatchTotals(
+            num_sequences=int(request.global_sequences),
+            num_tokens=int(request.global_completion_tokens),
+        )
+    return batch_totals(request.sequences)
+
+
+def validate_share(
+    request: trainer_pb2.TrainRequest,
+    policy_version: int,
+    limits: BatchLimits,
+    replicated: bool,
+) -> None:
+    """``validate_train_request`` plus the fields of a batch split over pods; raise BatchError
+    naming the field. Without cross-pod replication a request must be the whole batch."""
+    local_sequences = len(request.sequences)
+    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    if not replicated:
+        if request.pods > 1:
+            raise BatchError(
+                f"pods: {request.pods} pods train this step but this trainer has no cross-pod "
+                "replication (trainer.replication.lighthouse_address is empty); send it the "
+                "whole batch with pods 0 or 1, or set the Lighthouse address"
+            )
+        if is_share(request) and (
+            request.global_sequences != local_sequences
+            or request.global_completion_tokens != local_tokens
+        ):
+            raise BatchError(
+                f"global_sequences: the batch has {request.global_sequences} sequences "
+                f"({request.global_completion_tokens} completion tokens), this request holds "
+                f"{local_sequences} ({local_tokens}), but this trainer has no cross-pod "
+                "replication (trainer.replication.lighthouse_address is empty) and would step on "
+                "its share alone; send the whole batch, or set the Lighthouse address"
+            )
+    if is_share(request):
+        if not request.global_sequences or not request.global_completion_tokens:
+            raise BatchError(
+                "global_sequences, global_completion_tokens: set both (the whole batch's counts) "
+                "or neither (this request is the whole batch)"
+            )
+        if local_sequences > request.global_sequences or local_tokens > (
+            request.global_completion_tokens
+        ):
+            raise BatchError(
+                f"global_sequences: this share holds {local_sequences} sequences and "
+                f"{local_tokens} completion tokens, more than the whole batch's "
+                f"{request.global_sequences} and {request.global_completion_tokens}"
+            )
+        if not request.sequences:
+            # An empty share takes part in the step; only its version can be wrong.
+            if request.policy_version != policy_version:
+                raise BatchError(
+                    f"policy_version: the trainer holds version {policy_version}, the request "
+                    f"expects {request.policy_version}; send batches for the current version"
+                )
+            return
+    validate_train_request(request, policy_version, limits)
+
+
+# -- digests ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def parameters_digest(model: torch.nn.Module) -> str:
+    """Every rank (a collective): hex sha256 over each parameter in name order, its name, shape
+    and full tensor as float32 bytes; meaningful on rank 0 (the others return "")."""
+    digest = hashlib.sha256()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank == 0:
+            full = full.detach().to("cpu", torch.float32).contiguous()
+            digest.update(f"{name}{tuple(full.shape)}".encode())
+            digest.update(full.numpy().tobytes())
+    return digest.hexdigest() if rank == 0 else ""
+
+
+# -- the replica -----------------------------------------------------------------------------
+
+
+def _lighthouse_url(address: str) -> str:
+    return address if "://" in address else f"http://{address}"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _checkpoint_transport(advertise_host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertised at ``advertise_host``: torchft's own
+    names the machine's hostname, which other pods of a StatefulSet cannot resolve."""
+    from torchft.checkpointing import HTTPTransport
+
+    class AdvertisedHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{_url_host(advertise_host)}:{port}/checkpoint/"
+
+    return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def _process_group(device: torch.device, timeout: timedelta) -> Any:
+    """The reconfigurable cross-pod process group: gloo for CPU tensors, NCCL for CUDA ones."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    if device.type == "cuda":
+        return ProcessGroupNCCL(timeout=timeout)
+    return ProcessGroupGloo(timeout=timeout)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class CrossPodReplica:
+    """This pod's trainer as one torchft replica group; built on every rank of the pod (with
+    the same arguments, at the same point: the first Train)."""
+
+    def __init__(
+        self,
+        engine: TrainerEngine,
+        settings: ReplicationConfig,
+        *,
+        replica_id: str,
+        advertise_host: str,
+        pod_group: dist.ProcessGroup | None,
+        metric_count: int,
+    ) -> None:
+        from torchft.manager import Manager
+
+        self.engine = engine
+        self.settings = settings
+        self.replica_id = replica_id
+        self._pod_group = pod_group
+        self._metric_count = metric_count
+        timeout = timedelta(seconds=settings.collective_timeout_seconds)
+        self._timeout = timeout
+        self._store = None
+        store_port = self._start_store(advertise_host)
+        self.manager = Manager(
+            pg=_process_group(engine.device, timeout),
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=1,
+            # The quorum (and a heal) completes before the step's forward: a healing pod must
+            # hold the peers' weights and version before its version check.
+            use_async_quorum=False,
+            # Pods at version 0 all load the same model file: nothing to copy at the start.
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_seconds),
+            connect_timeout=timedelta(seconds=settings.connect_timeout_seconds),
+            rank=engine.env.rank,
+            world_size=engine.env.world_size,
+            store_addr=advertise_host,
+            store_port=store_port,
+            lighthouse_addr=_lighthouse_url(settings.lighthouse_address),
+            replica_id=replica_id,
+            port=settings.manager_port,
+            hostname=advertise_host,
+            checkpoint_transport=_checkpoint_transport(advertise_host, timeout),
+        )
+        # Per step: did this pod's quorum form, did it take part in the gradient vote.
+        self._in_quorum = False
+        self._voted = False
+        self.heals = 0
+        log.info(
+            "trainer rank %d: replica %r of the pods at %s (store %s:%d)",
+            engine.env.rank,
+            replica_id,
+            settings.lighthouse_address,
+            advertise_host,
+            store_port,
+        )
+
+    def _start_store(self, advertise_host: str) -> int:
+        """The TCPStore where pods rendezvous for the cross-pod process group: served by rank 0
+        on every interface, its port told to the pod's other ranks."""
+        port = torch.zeros(1, dtype=torch.int64)
+        if self.engine.env.rank == 0:
+            self._store = dist.TCPStore(
+                host_name=advertise_host,
+                port=self.settings.store_port,
+                is_master=True,
+                wait_for_workers=False,
+            )
+            port[0] = self._store.port
+        if self._pod_group is not None:
+            dist.broadcast(port, src=0, group=self._pod_group)
+        return int(port.item())
+
+    def _pod_any(self, flag: bool) -> bool:
+        """Every rank of the pod: True if ``flag`` is True on any of them."""
+        if self._pod_group is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._pod_group)
+        return bool(value.item())
+
+    # -- state a healing pod fetches -------------------------------------------------------------
+
+    def _layout(self) -> dict[str, object]:
+        engine = self.engine
+        return {
+            "mesh": dict(zip(engine.mesh.mesh_dim_names, engine.mesh.shape, strict=True)),
+            "rank": engine.env.rank,
+            "parameters": sum(1 for _ in engine.model.parameters()),
+        }
+
+    def _state(self) -> dict[str, object]:
+        """This rank's part of the replica's state: local shards (plain tensors), schedule,
+        step and version. torchft serves it to a healing peer's rank of the same number."""
+        engine = self.engine
+        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+        return {
+            "layout": self._layout(),
+            "model": tree_map_only(DTensor, _local, model_state),
+            "optim": tree_map_only(DTensor, _local, optim_state),
+            "scheduler": engine.scheduler.state_dict(),
+            "step": engine.step,
+            "policy_version": engine.policy_version,
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Take a peer's state (a heal): every tensor is copied into this rank's own shard."""
+        engine = self.engine
+        if state["layout"] != self._layout():
+            raise ReplicaStateError(
+                f"a peer pod's trainer has layout {state['layout']}, this one "
+                f"{self._layout()}; every pod needs the same model and trainer.dp_shard/tp"
+            )
+        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+        filled = _copy_into(
+            {"model": model_state, "optim": optim_state},
+            {"model": state["model"], "optim": state["optim"]},
+        )
+        set_state_dict(
+            engine.model,
+            engine.optimizer,
+            model_state_dict=filled["model"],
+            optim_state_dict=filled["optim"],
+        )
+        engine.optimizer.zero_grad(set_to_none=True)
+        engine.scheduler.load_state_dict(state["scheduler"])
+        before = engine.policy_version
+        engine.step = int(state["step"])
+        engine.policy_version = int(state["policy_version"])
+        # The stored reply belongs to weights that are gone (as after LoadCheckpoint).
+        engine.last_train = None
+        self.heals += 1
+        log.info(
+            "trainer rank %d healed from a peer pod: version %d -> %d (step %d)",
+            engine.env.rank,
+            before,
+            engine.policy_version,
+            engine.step,
+        )
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _start_quorum(self, deadline: float) -> BaseException | None:
+        manager = self.manager
+        # torchft's step is the policy version: the quorum heals every pod behind the highest.
+        manager.load_state_dict(
+            {"step": self.engine.policy_version, "batches_committed": manager.batches_committed()}
+        )
+        remaining = max(deadline - time.monotonic(), 1.0)
+        try:
+            manager.start_quorum(timeout=timedelta(seconds=remaining))
+        except Exception as err:
+            # torchft 0.2.0 re-raises a failed quorum at the start of the next one: forget it.
+            manager._quorum_future = None
+            return err
+        self._in_quorum = True
+        return manager.errored()
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> BaseException | None:
+        """All-reduce ``tensors`` over the quorum's pods (in place); the error if one failed
+        (the tensors then hold garbage)."""
+        works = [self.manager.allreduce(tensor, reduce_op=op) for tensor in tensors]
+        for work in works:
+            work.wait()
+        return self.manager.errored()
+
+    def begin(self, request: trainer_pb2.TrainRequest, check: Callable[[], None]) -> None:
+        """Every rank: join this step's quorum (healing first if behind), then check the
+        request with ``check`` (which raises BatchError) and that the quorum holds exactly
+        the step's pods. Raises BatchError (this pod refuses its share) or ReplicaStepError;
+        either way nothing was stepped."""
+        self._in_quorum = self._voted = False
+        started = time.monotonic()
+        deadline = started + self.settings.quorum_timeout_seconds
+        sequences = len(request.sequences)
+        tokens = sum(len(s.completion_ids) for s in request.sequences)
+        expected = (
+            float(request.global_sequences or sequences),
+            float(request.global_completion_tokens or tokens),
+            float(request.pods),
+        )
+        pause = QUORUM_RETRY_SECONDS
+        attempt = 0
+        while True:
+            attempt += 1
+            failure = self._start_quorum(deadline)
+            refusal: BatchError | None = None
+            if failure is None:
+                try:
+                    check()
+                except BatchError as err:
+                    refusal = err
+                # What the quorum's pods hold and expect, summed over them.
+                counts = torch.tensor(
+                    [sequences, tokens, 1, int(refusal is not None), *expected],
+                    dtype=torch.float64,
+                    device=self.engine.device,
+                )
+                failure = self._allreduce([counts], dist.ReduceOp.SUM)
+            if self._pod_any(failure is not None):
+                self.close(f"joining the step's quorum failed: {failure}")
+                raise ReplicaStepError(
+                    f"pod {self.replica_id} could not join the quorum of this step's pods "
+                    f"({type(failure).__name__ if failure else 'another rank'}: {failure}); "
+                    "nothing was stepped"
+                ) from failure
+            held_sequences, held_tokens, pods, refused, *claimed = counts.tolist()
+            if refused:
+                self.close("a pod refused its share")
+                if refusal is not None:
+                    raise refusal
+                raise ReplicaStepError(
+                    f"{int(refused)} other pod(s) of this step refused their share "
+                    "(INVALID_ARGUMENT there); no pod stepped"
+                )
+            if [c / pods for c in claimed] != list(expected):
+                self.close("the pods disagree on the batch")
+                raise ReplicaStepError(
+                    "the pods of this step's quorum were sent different batch totals or pod "
+                    f"counts (this pod: global_sequences {int(expected[0])}, "
+                    f"global_completion_tokens {int(expected[1])}, pods {int(expected[2])}); "
+                    "no pod stepped"
+                )
+            complete = (held_sequences, held_tokens) == expected[:2] and (
+                not request.pods or pods == request.pods
+            )
+            if complete:
+                if attempt > 1:
+                    log.info(
+                        "quorum of %d pod(s) after %d attempts (%.1f s)",
+                        int(pods),
+                        attempt,
+                        time.monotonic() - started,
+                    )
+                return
+            missing = (
+                f"the quorum has {int(pods)} pod(s) holding {int(held_sequences)} of the "
+                f"batch's {int(expected[0])} sequences ({int(held_tokens)} of "
+                f"{int(expected[1])} completion tokens)"
+                + (f", the request names {request.pods} pods" if request.pods else "")
+            )
+            if time.monotonic() + pause > deadline:
+                self.close("the quorum never held the step's pods")
+                raise ReplicaStepError(
+                    f"{missing} after {attempt} attempts in "
+                    f"{self.settings.quorum_timeout_seconds:.0f} s "
+                    "(trainer.replication.quorum_timeout_seconds): the other pods were not sent "
+                    "their share, or are down; no pod stepped"
+                )
+            log.info("%s: forming the quorum again", missing)
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+    def exchange(
+        self,
+        sums: torch.Tensor,
+        diff_max: torch.Tensor,
+        parameters: Iterable[torch.nn.Parameter],
+        version: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank, after the pod's own reductions: the vote and the metric sums, the
+        largest logprob gap, then the SUM of every gradient over the pods. Raises
+        ReplicaStepError if a pod failed or a cross-pod operation broke."""
+        faults.hit("trainer.before_cross_pod_allreduce", rank=self.engine.env.rank, version=version)
+        self._voted = True
+        vote = torch.cat([sums.new_zeros(1), sums])
+        error = self._allreduce([vote], dist.ReduceOp.SUM)
+        if error is None and vote[0] > 0:
+            raise ReplicaStepError(
+                f"{int(vote[0])} other pod(s) failed computing their gradients of version "
+                f"{version + 1}; no pod stepped"
+            )
+        if error is None:
+            error = self._allreduce([diff_max], dist.ReduceOp.MAX)
+        if error is None:
+            error = self._reduce_gradients(list(parameters))
+        if error is not None:
+            raise ReplicaStepError(
+                f"the cross-pod exchange of version {version + 1} failed "
+                f"({type(error).__name__}: {error}); a pod left mid-step, nothing was stepped"
+            ) from error
+        return vote[1:], diff_max
+
+    def _reduce_gradients(self, parameters: list[torch.nn.Parameter]) -> BaseException | None:
+        """SUM each gradient's local shard over the pods, in flat buckets."""
+        grads = []
+        for param in parameters:
+            if not param.requires_grad:
+                continue
+            if param.grad is None:  # every pod must send the same buckets
+                param.grad = torch.zeros_like(param)
+            grads.append(_local(param.grad))
+        buckets: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in grads:
+            kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+        for tensors in kinds.values():
+            chunk: list[torch.Tensor] = []
+            size = 0
+            for tensor in tensors:
+                chunk.append(tensor)
+                size += tensor.numel() * tensor.element_size()
+                if size >= GRADIENT_BUCKET_BYTES:
+                    buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
+                    chunk, size = [], 0
+            if chunk:
+                buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
+        error = self._allreduce([flat for _, flat in buckets], dist.ReduceOp.SUM)
+        if error is not None:
+            return error
+        with torch.no_grad():
+            for chunk, flat in buckets:
+                offset = 0
+                for tensor in chunk:
+                    count = tensor.numel()
+                    tensor.copy_(flat[offset : offset + count].view_as(tensor))
+                    offset += count
+        return None
+
+    def abort(self, reason: BaseException) -> None:
+        """Every rank of a pod that aborts the step: peers still waiting for this pod's vote
+        get a failed one, and the step ends without a commit."""
+        if self._in_quorum and not self._voted:
+            self._voted = True
+            vote = torch.zeros(
+                1 + self._metric_count, dtype=torch.float64, device=self.engine.device
+            )
+            vote[0] = 1
+            self._allreduce([vote], dist.ReduceOp.SUM)
+        self.close(f"{type(reason).__name__}: {reason}")
+
+    def commit(self) -> bool:
+        """Every rank: torchft's commit vote of this pod (no error in any cross-pod operation
+        on any of its ranks). True: step now."""
+        if not self._in_quorum:
+            return False
+        self._in_quorum = False
+        try:
+            return bool(self.manager.should_commit())
+        except Exception:
+            log.exception("torchft should_commit failed; the step is not applied")
+            return False
+
+    def close(self, reason: str) -> None:
+        """End a step that will not be applied: torchft counts a failed commit, so the next
+        quorum rebuilds the cross-pod process group."""
+        if not self._in_quorum:
+            return
+        self.manager.report_error(ReplicaStepError(reason))
+        self.commit()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _copy_into(target: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:
+    """``target`` (this rank's state dicts) with every tensor overwritten in place by the
+    tensor at the same path of ``received`` and every other leaf taken from ``received``."""
+    leaves, spec = tree_flatten_with_path(target)
+    incoming = {keystr(path): value for path, value in tree_flatten_with_path(received)[0]}
+    if len(incoming) != len(leaves):
+        raise ReplicaStateError(
+            f"a peer pod's state has {len(incoming)} entries, this trainer's {len(leaves)}; "
+            "every pod needs the same model and optimizer settings"
+        )
+    values = []
+    with torch.no_grad():
+        for path, mine in leaves:
+            key = keystr(path)
+            if key not in incoming:
+                raise ReplicaStateError(f"a peer pod's state has no {key}")
+            theirs = incoming[key]
+            if isinstance(mine, torch.Tensor):
+                local = _local(mine)
+                if tuple(local.shape) != tuple(theirs.shape):
+                    raise ReplicaStateError(
+                        f"{key}: a peer pod's shard has shape {tuple(theirs.shape)}, this "
+                        f"trainer's {tuple(local.shape)}"
+                    )
+                local.copy_(theirs)
+                values.append(mine)
+            else:
+                values.append(theirs)
+    return tree_unflatten(values, spec)

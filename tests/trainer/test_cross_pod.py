@@ -1,0 +1,235 @@
+"""Data parallelism across pods (issue 12) with real processes: a ``podrl-lighthouse``, trainer
+services of one gloo rank each as pods, torchft quorums on loopback, a single-pod trainer
+(no Lighthouse) as the reference.
+
+The GRPO tests share their processes and run in file order, one step each:
+
+1. two pods train a batch split between them (and then a batch one pod holds alone, the other
+   an empty share) to the loss and parameters of one pod on the whole batch;
+2. a pod SIGKILLed in the middle of a step: the other answers ABORTED with its parameters
+   unchanged, then trains the whole batch alone to the single-pod result;
+3. a pod started after those steps heals from its peer in its first step: same digest, same
+   version.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.trainer.pods import (
+    Pod,
+    fault_plan,
+    max_abs_diff,
+    share,
+    start_lighthouse,
+    start_pods,
+)
+from tests.trainer.rank_worker import make_request
+
+pytestmark = pytest.mark.slow
+
+SEQUENCES = 8
+TOLERANCE = 1e-5
+# Pod "b" stalls before its cross-pod exchange of the step from version 2 (the kill test).
+STALL = fault_plan(
+    {
+        "point": "trainer.before_cross_pod_allreduce",
+        "action": "delay",
+        "seconds": 300,
+        "version": 2,
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory):
+    server = start_lighthouse(tmp_path_factory.mktemp("lighthouse"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def grpo(tiny_model, lighthouse, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cross-pod-grpo")
+    reference = start_pods(tiny_model, tmp, ["reference"], lighthouse=None)
+    pods = start_pods(
+        tiny_model,
+        tmp,
+        ["pod-a", "pod-b"],
+        lighthouse=lighthouse.address,
+        extra_env={"pod-b": STALL},
+    )
+    everyone = {**reference, **pods}
+    yield everyone, tmp
+    for pod in everyone.values():
+        pod.kill()
+
+
+def _train_together(requests: dict[Pod, object]) -> dict[str, object]:
+    """Send each pod its request at the same time; each pod's reply or RpcError, by name."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {
+            pod.name: pool.submit(pod.stub.Train, request, timeout=180)
+            for pod, request in requests.items()
+        }
+    out = {}
+    for name, future in futures.items():
+        try:
+            out[name] = future.result()
+        except grpc.RpcError as err:
+            out[name] = err
+    return out
+
+
+def _same_metrics(a, b) -> None:
+    for field in ("loss", "pg_loss", "entropy", "ratio_mean", "grad_norm", "logprob_diff_mean"):
+        assert abs(getattr(a.metrics, field) - getattr(b.metrics, field)) <= TOLERANCE, field
+    assert a.metrics.tokens == b.metrics.tokens
+
+
+def test_two_pods_train_a_split_batch_as_one_pod(grpo):
+    everyone, tmp = grpo
+    reference, a, b = everyone["reference"], everyone["pod-a"], everyone["pod-b"]
+
+    # A trainer without a Lighthouse refuses a share: it would step on a part of the batch.
+    with pytest.raises(grpc.RpcError) as refused:
+        reference.stub.Train(share(make_request(11, SEQUENCES), range(3), "0/ref", 2), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "TrainRequest.pods: 2 pods" in refused.value.details()
+
+    # Step 1: a part of the batch each.
+    batch = make_request(11, sequences=SEQUENCES, version=0)
+    alone = reference.stub.Train(batch, timeout=180)
+    replies = _train_together(
+        {
+            # Unequal shares: per-pod denominators would weight the pods' tokens differently.
+            a: share(batch, range(0, 3), "1/a", pods=2),
+            b: share(batch, range(3, 8), "1/b", pods=2),
+        }
+    )
+    assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+    for reply in replies.values():
+        assert (reply.policy_version, reply.step) == (1, 1)
+        _same_metrics(reply, alone)  # the loss and metrics of the whole batch, on every pod
+    assert a.digest().sha256 == b.digest().sha256
+    expected = reference.parameters(tmp / "ref-1")
+    assert max_abs_diff(a.parameters(tmp / "a-1"), expected) <= TOLERANCE
+
+    # Step 2: pod b's share is empty, and it still takes part in the step.
+    batch = make_request(12, sequences=SEQUENCES, version=1)
+    alone = reference.stub.Train(batch, timeout=180)
+    replies = _train_together(
+        {
+            a: share(batch, range(SEQUENCES), "2/a", pods=2),
+            b: share(batch, [], "2/b", pods=2),
+        }
+    )
+    assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+    for reply in replies.values():
+        assert reply.policy_version == 2
+        _same_metrics(reply, alone)
+    assert a.digest() == b.digest()
+    assert max_abs_diff(b.parameters(tmp / "b-2"), reference.parameters(tmp / "ref-2")) <= (
+        TOLERANCE
+    )
+
+
+def test_a_pod_killed_mid_step_leaves_its_peer_unchanged(grpo):
+    everyone, tmp = grpo
+    reference, a, b = everyone["reference"], everyone["pod-a"], everyone["pod-b"]
+    before = a.digest()
+    assert before.policy_version == 2  # after the previous test
+
+    batch = make_request(13, sequences=SEQUENCES, version=2)
+    with ThreadPoolExecutor(2) as pool:
+        trained_a = pool.submit(a.stub.Train, share(batch, range(0, 5), "3/a", 2), timeout=180)
+        trained_b = pool.submit(b.stub.Train, share(batch, range(5, 8), "3/b", 2), timeout=180)
+        # Pod b stalls at its exchange (its fault plan): a waits for it there. Kill b.
+        deadline = time.monotonic() + 120
+        while "injected fault" not in b.log():
+            assert time.monotonic() < deadline and not trained_a.done(), b.log()
+            time.sleep(0.2)
+        b.kill()
+        aborted = trained_a.exception(timeout=120)
+        trained_b.exception(timeout=60)
+    assert isinstance(aborted, grpc.RpcError)
+    assert aborted.code() == grpc.StatusCode.ABORTED, aborted.details()
+    assert "cross-pod" in aborted.details()
+    assert a.digest() == before  # nothing stepped: same version, same parameters
+
+    # The controller sends the step again to the pods left: here pod a, with the whole batch.
+    reply = a.stub.Train(share(batch, range(SEQUENCES), "3/a-again", pods=1), timeout=180)
+    alone = reference.stub.Train(batch, timeout=180)
+    assert reply.policy_version == alone.policy_version == 3
+    _same_metrics(reply, alone)
+    assert max_abs_diff(a.parameters(tmp / "a-3"), reference.parameters(tmp / "ref-3")) <= (
+        TOLERANCE
+    )
+
+
+def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
+    everyone, tmp = grpo
+    reference, a = everyone["reference"], everyone["pod-a"]
+    assert a.info().policy_version == 3  # after the previous tests
+    c = start_pods(tiny_model, tmp, ["pod-c"], lighthouse=lighthouse.address)["pod-c"]
+    everyone["pod-c"] = c  # the fixture stops it
+    assert c.info().policy_version == 0
+
+    # Pod c is sent a step for version 3: it heals from pod a before its version check.
+    batch = make_request(14, sequences=SEQUENCES, version=3)
+    replies = _train_together(
+        {a: share(batch, range(0, 4), "4/a", 2), c: share(batch, range(4, 8), "4/c", 2)}
+    )
+    assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+    assert "healed from a peer pod: version 0 -> 3" in c.log()
+    alone = reference.stub.Train(batch, timeout=180)
+    for reply in replies.values():
+        assert reply.policy_version == 4
+        _same_metrics(reply, alone)
+    digest_a, digest_c = a.digest(), c.digest()
+    assert digest_c == digest_a and digest_c.policy_version == 4
+    assert max_abs_diff(c.parameters(tmp / "c-4"), reference.parameters(tmp / "ref-4")) <= (
+        TOLERANCE
+    )
+
+
+@pytest.fixture
+def dapo(tiny_model, tmp_path):
+    # A Lighthouse of its own: the GRPO pods still heartbeat to the module's, and a quorum
+    # needs more than half of the heartbeating pods (torchft's split-brain rule).
+    lighthouse = start_lighthouse(tmp_path)
+    pods = start_pods(
+        tiny_model,
+        tmp_path,
+        ["dapo-reference", "dapo-a", "dapo-b"],
+        lighthouse=None,
+        extra_env={
+            name: {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address}
+            for name in ("dapo-a", "dapo-b")
+        },
+        loss_mode="dapo",
+        clip_eps_high=0.28,
+    )
+    yield pods, tmp_path
+    for pod in pods.values():
+        pod.kill()
+    lighthouse.stop()
+
+
+def test_two_pods_train_a_split_batch_as_one_pod_dapo(dapo):
+    pods, tmp = dapo
+    reference, a, b = pods["dapo-reference"], pods["dapo-a"], pods["dapo-b"]
+    batch = make_request(21, sequences=SEQUENCES, version=0)
+    alone = reference.stub.Train(batch, timeout=180)
+    replies = _train_together(
+        {a: share(batch, range(0, 5), "1/a", 2), b: share(batch, range(5, 8), "1/b", 2)}
+    )
+    assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+    for reply in replies.values():
+        _same_metrics(reply, alone)
+    assert a.digest() == b.digest()
+    assert max_abs_diff(a.parameters(tmp / "a"), reference.parameters(tmp / "ref")) <= TOLERANCE
