@@ -15,6 +15,7 @@ batch id.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
 import time
@@ -22,10 +23,12 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from podrl.controller.checkpoint_files import STATE_FILE
+from podrl.controller.roster import Pod
 from podrl.v1 import (
     common_pb2,
     generator_pb2,
@@ -64,8 +67,21 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     acknowledged: list[int] = field(default_factory=list)
     on_abort: Callable[[], None] | None = None
     """Runs before an injected abort_before_apply (e.g. another batch lands meanwhile)."""
+    pod_id: str = "pod-0"
+    group: FakeReplicaGroup | None = None
+    """Pods training one policy together (a stand-in for torchft across pods)."""
+    digest: str = "initial"
+    """Stands for the parameters: a hash chain over every batch applied (step_digest)."""
+    dead: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
+
+    def ParametersDigest(
+        self, request: trainer_pb2.ParametersDigestRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.ParametersDigestResponse:
+        return trainer_pb2.ParametersDigestResponse(
+            policy_version=self.version, step=self.step, sha256=self.digest
+        )
 
     def Train(
         self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext
@@ -81,11 +97,18 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                 if self.on_abort is not None:
                     self.on_abort()
                 context.abort(fault.abort_before_apply, "injected failure before the update")
+            if self.group is not None:
+                self.group.step(self, request, context)  # heals, checks the quorum, or aborts
             if request.policy_version != self.version:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"TrainRequest.policy_version: the trainer holds version {self.version}",
                 )
+            if self.group is not None:
+                self.group.exchange(self, context)  # every pod computed, or all abort
+            self.digest = step_digest(
+                self.digest, self.group.batch(self) if self.group else request
+            )
             self.version += 1
             self.step += 1
             reply = trainer_pb2.TrainResponse(
@@ -125,7 +148,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                 version=self.version,
                 model_fingerprint="fake",
                 version_only=version_only,
-                publisher_id="pod-0",
+                publisher_id=self.pod_id,
             )
         )
 
@@ -169,6 +192,93 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         )
 
 
+def step_digest(before: str, batch: trainer_pb2.TrainRequest) -> str:
+    """The fake parameters after applying ``batch``: they depend on the whole batch (every
+    sequence and advantage, in any order), as the sum of the pods' gradients does."""
+    items = sorted(f"{s.sample_id}:{s.advantage:.6f}" for s in batch.sequences)
+    return hashlib.sha256("|".join([before, *items]).encode()).hexdigest()
+
+
+@dataclass
+class _Quorum:
+    size: int
+    members: list[FakeTrainer] = field(default_factory=list)
+    requests: dict[int, trainer_pb2.TrainRequest] = field(default_factory=dict)
+    closed: bool = False
+    exchanged: set[int] = field(default_factory=set)
+
+
+class FakeReplicaGroup:
+    """The cross-pod contract of the real trainers (trainer/replication.py), in-process: a
+    step's Train calls meet in a quorum of ``TrainRequest.pods`` trainers (ABORTED if it does
+    not fill within ``quorum_timeout``); a trainer behind the most advanced member heals from it
+    (version and parameters) before its version check; the shares must add up to the batch's
+    totals; then every member waits for all to have computed (the gradient exchange): if one
+    died meanwhile, all abort with nothing changed; otherwise each applies the WHOLE batch (the
+    union of the shares)."""
+
+    def __init__(self, quorum_timeout: float = 2.0) -> None:
+        self.quorum_timeout = quorum_timeout
+        self._cond = threading.Condition()
+        self._open: _Quorum | None = None
+        self._of: dict[int, _Quorum] = {}
+        self.before_exchange: list[Callable[[], None]] = []
+        """Run once each, in order, by the first member to reach an exchange (e.g. kill a pod
+        mid-step)."""
+        self.quorums: list[list[str]] = []
+        """The batch ids of every quorum that filled, in order."""
+
+    def step(self, trainer: FakeTrainer, request: trainer_pb2.TrainRequest, context: Any) -> None:
+        with self._cond:
+            quorum = self._open
+            if quorum is None or quorum.closed or quorum.size != request.pods:
+                quorum = self._open = _Quorum(max(request.pods, 1))
+            quorum.members.append(trainer)
+            quorum.requests[id(trainer)] = request
+            self._of[id(trainer)] = quorum
+            if len(quorum.members) == quorum.size:
+                quorum.closed = True
+                self.quorums.append(sorted(r.batch_id for r in quorum.requests.values()))
+                self._cond.notify_all()
+            if not self._cond.wait_for(lambda: quorum.closed, self.quorum_timeout):
+                quorum.members.remove(trainer)
+                del quorum.requests[id(trainer)]
+                context.abort(grpc.StatusCode.ABORTED, "the quorum of the step's pods never filled")
+        lead = max(quorum.members, key=lambda t: t.version)
+        if trainer.version < lead.version:  # heal from the most advanced peer
+            trainer.version, trainer.step, trainer.digest = lead.version, lead.step, lead.digest
+        shares = quorum.requests.values()
+        if sum(len(r.sequences) for r in shares) != request.global_sequences:
+            context.abort(grpc.StatusCode.ABORTED, "the shares do not add up to the batch")
+
+    def exchange(self, trainer: FakeTrainer, context: Any) -> None:
+        quorum = self._of[id(trainer)]
+        with self._cond:
+            hooks, self.before_exchange = self.before_exchange, []
+        for hook in hooks:
+            hook()
+        with self._cond:
+            quorum.exchanged.add(id(trainer))
+            self._cond.notify_all()
+            everyone = self._cond.wait_for(
+                lambda: (
+                    any(m.dead for m in quorum.members)
+                    or len(quorum.exchanged) == len(quorum.members)
+                ),
+                self.quorum_timeout,
+            )
+            if trainer.dead or not everyone or any(m.dead for m in quorum.members):
+                context.abort(grpc.StatusCode.ABORTED, "a peer failed in the gradient exchange")
+
+    def batch(self, trainer: FakeTrainer) -> trainer_pb2.TrainRequest:
+        """The union of the quorum's shares: what every member's update is made of."""
+        quorum = self._of[id(trainer)]
+        union = trainer_pb2.TrainRequest()
+        for request in quorum.requests.values():
+            union.sequences.extend(request.sequences)
+        return union
+
+
 def reference_then_wrong(prompt: common_pb2.Prompt, index: int) -> str:
     """Even samples answer right, odd ones wrong: every group has reward variance."""
     return prompt.reference if index % 2 == 0 else "wrong"
@@ -181,12 +291,16 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     weight_state: str = "idle"
     generated: list[str] = field(default_factory=list)
     """Prompt ids of every Generate call, in order."""
+    on_generate: Callable[[], None] | None = None
+    """Runs at the start of each Generate call (e.g. the pod is drained or killed meanwhile)."""
     applied: list[weights_pb2.WeightManifest] = field(default_factory=list)
     """Every manifest ApplyWeights got, in order."""
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GenerateResponse:
+        if self.on_generate is not None:
+            self.on_generate()
         samples = []
         for prompt in request.prompts:
             self.generated.append(prompt.id)
@@ -229,8 +343,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
 class FakePod:
     """A fake trainer and generator on one gRPC server (one port)."""
 
-    def __init__(self, checkpoint_dir: Path, **trainer: object) -> None:
-        self.trainer = FakeTrainer(checkpoint_dir, **trainer)  # type: ignore[arg-type]
+    def __init__(self, checkpoint_dir: Path, pod_id: str = "pod-0", **trainer: object) -> None:
+        self.id = pod_id
+        self.trainer = FakeTrainer(checkpoint_dir, pod_id=pod_id, **trainer)  # type: ignore[arg-type]
         self.generator = FakeGenerator()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.trainer, self.server)
@@ -239,5 +354,15 @@ class FakePod:
         self.address = f"127.0.0.1:{port}"
         self.server.start()
 
+    @property
+    def pod(self) -> Pod:
+        """The pod as the roster sees it (its grader is the test's own; unused here)."""
+        return Pod(self.id, self.address, self.address, self.address)
+
     def stop(self) -> None:
+        self.server.stop(grace=None)
+
+    def kill(self) -> None:
+        """As SIGKILL: the pod's calls in flight break and it answers nothing any more."""
+        self.trainer.dead = True
         self.server.stop(grace=None)

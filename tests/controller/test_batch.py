@@ -6,14 +6,16 @@ import pytest
 
 from podrl.controller.batch import (
     StepSamples,
+    TrainBatch,
     build_batch,
     check_score_errors,
     sample_id,
+    split_batch,
     train_request,
 )
 from podrl.controller.step_errors import StepFailedError
 from podrl.tasks import PromptItem
-from podrl.v1 import common_pb2, grader_pb2
+from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
 EXCEPTION = grader_pb2.SCORE_ERROR_EXCEPTION
 FALLBACK = -1.0
@@ -66,9 +68,11 @@ def test_failed_samples_are_left_out_and_advantages_use_the_valid_ones() -> None
     assert batch.stats["reward_mean"] == pytest.approx(4 / 7)
     assert batch.stats["reward_by_task"] == {"copy": pytest.approx(4 / 7)}
     assert batch.stats["reward_max"] == 1.0
-    request = train_request(batch, 7, "run:3:1")
+    request = train_request(batch.sequences, batch, 7, "run:3:1")
     assert request.batch_id == "run:3:1" and request.policy_version == 7
     assert [s.sample_id for s in request.sequences] == [s.sample_id for s in batch.sequences]
+    # The whole batch on one pod: its totals are its own.
+    assert request.global_sequences == len(batch.sequences) and request.pods == 1
 
 
 def test_a_group_left_with_too_few_valid_samples_is_dropped_whole() -> None:
@@ -128,3 +132,34 @@ def test_every_sample_failing_fails_the_attempt_whatever_the_limit() -> None:
 
 def test_no_score_errors_pass() -> None:
     check_score_errors(_step({"a": [(1.0, 0), (0.0, 0)]}), max_error_rate=0.0)
+
+
+def _sequences(groups: dict[str, list[int]]) -> list[trainer_pb2.TrainSequence]:
+    """One sequence per entry: prompt id → completion lengths of its group's samples."""
+    return [
+        trainer_pb2.TrainSequence(sample_id=f"{pid}#{i}", completion_ids=[1] * length)
+        for pid, lengths in groups.items()
+        for i, length in enumerate(lengths)
+    ]
+
+
+def test_a_split_keeps_groups_whole_and_balances_tokens() -> None:
+    sequences = _sequences({"a": [8, 8], "b": [2, 2], "c": [3, 3], "d": [1, 1]})
+    shares = split_batch(sequences, ["pod-0", "pod-1"])
+    prompts = {pod: {s.sample_id.split("#")[0] for s in share} for pod, share in shares.items()}
+    # a (16 tokens) on pod-0; b, c and d (12) on pod-1: no group is cut.
+    assert prompts == {"pod-0": {"a"}, "pod-1": {"b", "c", "d"}}
+    together = sorted(s.sample_id for share in shares.values() for s in share)
+    assert together == sorted(s.sample_id for s in sequences)
+
+
+def test_a_pod_may_get_an_empty_share_and_every_request_carries_the_totals() -> None:
+    sequences = _sequences({"a": [2, 3]})
+    batch = TrainBatch(sequences, {})
+    shares = split_batch(sequences, ["pod-0", "pod-1", "pod-2"])
+    assert [len(shares[p]) for p in ("pod-0", "pod-1", "pod-2")] == [2, 0, 0]
+    requests = [train_request(shares[p], batch, 4, f"b@{p}", pods=3) for p in shares]
+    assert {(r.global_sequences, r.global_completion_tokens, r.pods) for r in requests} == {
+        (2, 5, 3)
+    }
+    assert sum(len(r.sequences) for r in requests) == 2

@@ -27,7 +27,7 @@ def pod(tmp_path: Path) -> Iterator[FakePod]:
 def sync(pod: FakePod) -> Iterator[WeightSync]:
     clients = WorkerClients(GrpcConfig())
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield WeightSync(clients, pool, lambda: pod.address, lambda: [pod.address])
+        yield WeightSync(clients, pool)
     clients.close()
 
 
@@ -36,7 +36,7 @@ def test_an_unsettled_generator_at_the_trainers_version_gets_a_full_manifest(
     pod: FakePod, sync: WeightSync, state: str
 ) -> None:
     pod.generator.weight_state = state
-    sync.bring_generators_to(3)
+    sync.bring_generator_to(pod.pod, 3)
     assert [(m.version, m.version_only) for m in pod.generator.applied] == [(3, False)]
     assert pod.generator.weight_state == "idle"
     assert pod.trainer.acknowledged == [3]
@@ -45,7 +45,7 @@ def test_an_unsettled_generator_at_the_trainers_version_gets_a_full_manifest(
 def test_a_settled_generator_at_the_trainers_version_is_left_alone(
     pod: FakePod, sync: WeightSync
 ) -> None:
-    sync.bring_generators_to(3)
+    sync.bring_generator_to(pod.pod, 3)
     assert pod.generator.applied == []
     assert pod.trainer.acknowledged == [3]
 
@@ -53,10 +53,10 @@ def test_a_settled_generator_at_the_trainers_version_is_left_alone(
 def test_a_generator_needing_a_full_manifest_mid_sync_is_sent_one(
     pod: FakePod, sync: WeightSync
 ) -> None:
-    sync.sync(3)  # the first publish is full; the generator caches it
+    sync.sync(pod.pod, 3)  # the first publish is full; the generator caches it
     pod.trainer.version = 4
     pod.generator.weight_state = "needs_full"  # e.g. its last apply overran its deadline
-    sync.sync_with_retries(4, attempts=1)
+    sync.sync_with_retries(pod.pod, 4, attempts=1)
     assert [(m.version, m.version_only) for m in pod.generator.applied] == [
         (3, False),
         (4, True),  # refused: FAILED_PRECONDITION

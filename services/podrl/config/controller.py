@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from podrl.config.base import ServiceSection
 
@@ -24,3 +24,28 @@ class ControllerConfig(ServiceSection):
     min_worker_pods: int = Field(
         1, ge=0, description="/readyz answers 200 once this many complete worker pods are healthy."
     )
+    worker_pods: int = Field(
+        1,
+        ge=1,
+        description="Worker pods wanted at start outside a cluster (podrl up/run --pods sets "
+        "it); PUT /v1/workers/replicas and podrl scale change it. In a cluster the worker "
+        "StatefulSet's replicas are the count and this is unused.",
+    )
+    max_worker_pods: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="The most worker pods PUT /v1/workers/replicas and podrl scale may ask for "
+        "(a larger count is refused with 422).",
+    )
+
+    @model_validator(mode="after")
+    def _check_pod_counts(self) -> ControllerConfig:
+        for name in ("worker_pods", "min_worker_pods"):
+            if getattr(self, name) > self.max_worker_pods:
+                raise ValueError(
+                    f"controller.{name} ({getattr(self, name)}) is above "
+                    f"controller.max_worker_pods ({self.max_worker_pods}); raise "
+                    "max_worker_pods or lower it"
+                )
+        return self

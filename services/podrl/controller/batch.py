@@ -39,6 +39,11 @@ class StepSamples:
     """Prompt id → its group of samples."""
     scores: dict[str, grader_pb2.ItemScore] = field(default_factory=dict)
     """Sample id → its score."""
+    pod_of: dict[str, str] = field(default_factory=dict)
+    """Prompt id → the pod whose generator sampled its group."""
+
+    def prompts_by_pod(self) -> dict[str, int]:
+        return dict(Counter(self.pod_of[item.id] for item in self.items if item.id in self.pod_of))
 
     def score_of(self, prompt_id: str, sample: common_pb2.Sample) -> grader_pb2.ItemScore:
         return self.scores[sample_id(prompt_id, sample.index)]
@@ -156,10 +161,44 @@ def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: 
     return TrainBatch(sequences, stats)
 
 
+def _prompt_of(sequence: trainer_pb2.TrainSequence) -> str:
+    return sequence.sample_id.rsplit("#", 1)[0]
+
+
+def split_batch(
+    sequences: list[trainer_pb2.TrainSequence], pods: list[str]
+) -> dict[str, list[trainer_pb2.TrainSequence]]:
+    """Each pod's share of the batch: whole groups (a prompt's samples stay together), balanced
+    by tokens (each group goes to the pod with the fewest so far; ties to the earlier pod).
+    A pod may get an empty share (fewer groups than pods). Pure and deterministic."""
+    groups: dict[str, list[trainer_pb2.TrainSequence]] = {}
+    for sequence in sequences:
+        groups.setdefault(_prompt_of(sequence), []).append(sequence)
+    shares: dict[str, list[trainer_pb2.TrainSequence]] = {pod: [] for pod in pods}
+    tokens = dict.fromkeys(pods, 0)
+    for group in groups.values():
+        pod = min(pods, key=lambda p: (tokens[p], pods.index(p)))
+        shares[pod].extend(group)
+        tokens[pod] += sum(len(s.prompt_ids) + len(s.completion_ids) for s in group)
+    return shares
+
+
 def train_request(
-    batch: TrainBatch, policy_version: int, batch_id: str
+    share: list[trainer_pb2.TrainSequence],
+    batch: TrainBatch,
+    policy_version: int,
+    batch_id: str,
+    pods: int = 1,
 ) -> trainer_pb2.TrainRequest:
-    """The Train call of one step attempt; re-sent unchanged when its outcome is unknown."""
+    """One pod's Train call of a step: its ``share`` of ``batch`` with the batch-wide totals, so
+    that the loss is normalised over the whole batch and the update of P pods equals the
+    1-pod update, and the number of pods that train the step (the trainers check that their
+    quorum holds exactly that many). Re-sent unchanged when its outcome is unknown."""
     return trainer_pb2.TrainRequest(
-        sequences=batch.sequences, policy_version=policy_version, batch_id=batch_id
+        pods=pods,
+        sequences=share,
+        policy_version=policy_version,
+        batch_id=batch_id,
+        global_sequences=len(batch.sequences),
+        global_completion_tokens=sum(len(s.completion_ids) for s in batch.sequences),
     )

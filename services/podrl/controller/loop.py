@@ -1,20 +1,25 @@
 """The synchronous GRPO loop the controller runs: it sequences the parts, each in its module.
 
-One step (docs/controller.md):
+One step (docs/controller.md), over the pods the roster admits at its start (roster.py):
 
-    align generators → draw prompts → generate (phases) → score (phases) → batch (batch) →
-    Train (train_phase) → samples.jsonl → weight sync (weight_sync) → step record (recorder)
+    admit pods, align their generators → draw prompts → generate and score, each pod its share
+    (phases) → batch over the whole step (batch) → Train on every pod at once, each its share
+    (train_phase) → samples.jsonl → weight sync inside each pod (weight_sync) → step record
+    (recorder)
 
-and a trainer checkpoint every ``loop.checkpoint_every`` steps and at the end. At start, and
-after a restart, ``resume`` decides where the run continues.
+and a trainer checkpoint every ``loop.checkpoint_every`` steps and at the end (one pod's
+trainer writes it: every replica holds the same weights). At start, and after a restart,
+``resume`` decides where the run continues.
 
 Failure rules:
-- generate / score fail, too many score errors, or Train answered "not applied": the attempt is
-  thrown away whole and the step is retried from the same data position (the same prompts), up
-  to ``loop.max_step_attempts``; then the run fails.
-- Train's outcome unknown (lost reply, timeout): the same request is re-sent, never a new batch
-  (train_phase); a step is never applied twice.
-- sync fails: the trainer already holds the new version, so only the sync is retried.
+- a pod lost or drained mid-step leaves the roster; what it returned is kept and the rest of
+  its share is done by the other pods in the same step (phases, train_phase);
+- generate / score fail otherwise, too many score errors, or Train answered "not applied": the
+  attempt is thrown away whole and the step is retried from the same data position (the same
+  prompts), up to ``loop.max_step_attempts``; then the run fails.
+- Train's outcome unknown (lost reply, timeout): the same requests are re-sent, never a new
+  batch (train_phase); a step is never applied twice.
+- sync fails: the trainers already hold the new version, so only the sync is retried.
 """
 
 from __future__ import annotations
@@ -31,11 +36,19 @@ import grpc
 
 from podrl.common import faults
 from podrl.config import RunConfig
+from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.batch import StepSamples, build_batch, check_score_errors, train_request
+from podrl.controller.batch import (
+    StepSamples,
+    build_batch,
+    check_score_errors,
+    split_batch,
+    train_request,
+)
 from podrl.controller.checkpoint_files import checkpoint_folder, newest_checkpoint
 from podrl.controller.clients import WorkerClients
-from podrl.controller.phases import WorkerPhases
+from podrl.controller.evaluation import Evaluator, RunPhases
+from podrl.controller.phases import WorkerPhases, settle
 from podrl.controller.recorder import StepRecorder
 from podrl.controller.resume import (
     ControllerState,
@@ -43,13 +56,18 @@ from podrl.controller.resume import (
     choose_checkpoint,
     plan_resume,
 )
+from podrl.controller.roster import Pod, PodRoster
 from podrl.controller.run_store import PendingStep, RunStore, StepRecord
 from podrl.controller.status import RunState
-from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
+from podrl.controller.step_errors import (
+    RunFailedError,
+    StepFailedError,
+    describe_rpc_error,
+)
 from podrl.controller.train_phase import TrainOutcome, TrainPhase
 from podrl.controller.weight_sync import WeightSync
 from podrl.tasks import TaskSource
-from podrl.v1 import controller_pb2, trainer_pb2
+from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +81,7 @@ class GrpoLoop:
         store: RunStore,
         clients: WorkerClients,
         source: TaskSource,
+        roster: PodRoster | None = None,
     ) -> None:
         self.config = config
         self.loop_config = config.loop
@@ -70,26 +89,40 @@ class GrpoLoop:
         self.store = store
         self.clients = clients
         self.source = source
+        self.roster = roster or state.roster or PodRoster(state.registry)
+        state.roster = self.roster
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
-        self.phases = WorkerPhases(clients, self._pool, state.registry)
-        self.train_phase = TrainPhase(clients, config.loop.max_step_attempts)
-        self.weights = WeightSync(
-            clients,
-            self._pool,
-            self._trainer,
-            lambda: self.phases.addresses(controller_pb2.COMPONENT_GENERATOR),
-        )
+        self.phases = WorkerPhases(clients, self._pool, state.registry, self.roster)
+        self.train_phase = TrainPhase(clients, config.loop.max_step_attempts, pool=self._pool)
+        self.train_phase.on_lost = self._trainer_lost
+        self.weights = WeightSync(clients, self._pool)
         self.recorder = StepRecorder(config, state, store)
+        self.evaluator = Evaluator(config)  # held-out prompts, drawn apart from self.source
         # Batch ids name this controller process too: one restarted never reuses an id that
         # a trainer may still hold as its last applied batch.
         self._batch_prefix = f"{config.name}:{uuid.uuid4().hex[:8]}"
+        self._joining: set[str] = set()
 
     # -- workers ---------------------------------------------------------------------------------
-    def _trainer(self) -> str:
-        trainers = self.phases.addresses(controller_pb2.COMPONENT_TRAINER)
-        if not trainers:
+    def _lead(self) -> Pod:
+        """The pod whose trainer writes checkpoints and answers for the run at resume: the
+        first (by ordinal) that is not still joining."""
+        pods = self.roster.pods() or self.roster.admit()
+        ready = [pod for pod in pods if pod.id not in self._joining]
+        if not ready:
             raise StepFailedError("train", "no healthy trainer is registered")
-        return trainers[0]
+        return ready[0]
+
+    def _trainer_lost(self, pod_id: str, reason: str) -> None:
+        """A pod whose trainer stopped answering mid-step leaves; it comes back (and heals)
+        when its trainer heartbeats or registers again."""
+        for pod in self.roster.pods():
+            if pod.id == pod_id:
+                self.state.registry.mark_unreachable(pod.trainer)
+        self.roster.drop(pod_id, reason)
+
+    def _lost(self, pod: Pod) -> bool:
+        return not self.roster.usable(pod)
 
     def _wait_for_workers(self, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.loop_config.workers_timeout_seconds
@@ -114,6 +147,63 @@ class GrpoLoop:
             timings[phase] = round(time.perf_counter() - start, 4)
             metrics.PHASE_SECONDS.labels(phase).observe(timings[phase])
 
+    def _trainer_versions(self, pods: list[Pod]) -> dict[str, int]:
+        """Each pod's trainer version (Info); a pod whose trainer does not answer leaves."""
+        infos = settle(
+            self._pool, [lambda p=p: self.train_phase.trainer_info(p.trainer) for p in pods]
+        )
+        versions = {}
+        for pod, info in zip(pods, infos, strict=True):
+            if isinstance(info, trainer_pb2.TrainerInfo):
+                versions[pod.id] = info.policy_version
+            else:
+                self.state.registry.mark_unreachable(pod.trainer)
+                self.roster.drop(pod.id, f"trainer {pod.trainer} does not answer Info")
+        return versions
+
+    def align(self, expected: int) -> list[Pod]:
+        """A step boundary: admit the pods, tell the joining ones (their trainer is behind and
+        heals from a peer inside its first Train; their generator is synced after it), and
+        bring every other pod's generator to ``expected``. The pods that generate."""
+        pods = self.roster.admit()
+        if not pods:
+            raise StepFailedError("align", "no complete, healthy worker pod is registered")
+        versions = self._trainer_versions(pods)
+        ahead = {pod: v for pod, v in versions.items() if v > expected}
+        if ahead:
+            raise RunFailedError(
+                f"the trainers of pods {sorted(ahead)} are at policy versions "
+                f"{sorted(set(ahead.values()))}, ahead of the run's {expected}; restart the run "
+                "to resume from its records and checkpoints"
+            )
+        self.roster.note_versions(versions, expected)
+        self._joining = {pod for pod, v in versions.items() if v < expected}
+        ready = [pod for pod in self.roster.pods() if pod.id not in self._joining]
+        if not ready and versions:
+            pod, version = next(iter(versions.items()))
+            raise RunFailedError(
+                f"the trainer of pod {pod} is at policy version {version} (expected {expected})"
+                f" and no trainer holds version {expected} to heal it from; restart the run to "
+                "resume from its records and checkpoints"
+            )
+        if self._joining:
+            log.info(
+                "pods %s join at version %d: their trainers heal from a peer in this step's Train",
+                sorted(self._joining),
+                expected,
+            )
+        # A generator that restarted, or missed a sync while it was unreachable, is brought
+        # to the trainer's version first: its samples would be refused otherwise.
+        outcomes = settle(
+            self._pool, [lambda p=p: self.weights.bring_generator_to(p, expected) for p in ready]
+        )
+        for pod, outcome in zip(ready, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, StepFailedError) or not self._lost(pod):
+                    raise outcome
+                self.roster.drop(pod.id, f"align: {outcome}")
+        return [pod for pod in self.roster.pods() if pod.id not in self._joining]
+
     # -- one step --------------------------------------------------------------------------------
     def run_step(self, attempt: int) -> StepRecord:
         config = self.loop_config
@@ -121,15 +211,16 @@ class GrpoLoop:
         expected = self.state.policy_version
         position_before = self.source.position()
         timings: dict[str, float] = {}
+        generating = self._timed("align", {}, lambda: self.align(expected))
         data = StepSamples(items=self.source.next_prompts(config.prompts_per_step))
         position_after = self.source.position()
         seed = None if config.sample_seed is None else config.sample_seed + step
         self._timed(
             "generate",
             timings,
-            lambda: self.phases.generate(step, data, config.sampling, seed, expected),
+            lambda: self.phases.generate(step, data, config.sampling, seed, expected, generating),
         )
-        self._timed("score", timings, lambda: self.phases.score(data))
+        self._timed("score", timings, lambda: self.phases.score(data, self.roster.pods()))
         check_score_errors(data, config.max_score_error_rate)
         batch = build_batch(
             data,
@@ -138,30 +229,78 @@ class GrpoLoop:
         )
         batch_id = f"{self._batch_prefix}:{step}:{attempt}"
         outcome: TrainOutcome | None = None
+        epoch = self.roster.epoch
         if batch.sequences:
-            request = train_request(batch, expected, batch_id)
-            address = self._trainer()
+            pods = {pod.id: pod for pod in self.roster.pods()}
+            if not pods:
+                raise StepFailedError("train", "no pod is left to train on")
+
+            def requests_for(
+                pod_ids: list[str], round_no: int
+            ) -> dict[str, trainer_pb2.TrainRequest]:
+                # Every round of this step shares the prefix recorded as the step in flight:
+                # a restart recognises any of them in a trainer's last_batch_id.
+                shares = split_batch(batch.sequences, pod_ids)
+                self.roster.note_shares(sequences={p: len(s) for p, s in shares.items()})
+                return {
+                    pod_id: train_request(
+                        shares[pod_id],
+                        batch,
+                        expected,
+                        f"{batch_id}.{round_no}@{pod_id}",
+                        pods=len(pod_ids),
+                    )
+                    for pod_id in pod_ids
+                }
+
             self.store.set_pending(
                 PendingStep(
                     step, position_before, position_after, [i.id for i in data.items], batch_id
                 )
             )
             outcome = self._timed(
-                "train", timings, lambda: self.train_phase.train(address, request)
+                "train",
+                timings,
+                lambda: self.train_phase.train_pods(
+                    {pod_id: pod.trainer for pod_id, pod in pods.items()}, expected, requests_for
+                ),
             )
+            epoch = self.roster.epoch
             faults.hit("controller.after_train", step=step)
         # else: no learning signal in any group, nothing to train on (recorded trained: false)
         version = outcome.reply.policy_version if outcome else expected
         trained_ids = {s.sample_id for s in batch.sequences} if outcome else set()
         self.recorder.write_samples(step, data, trained_ids)
+        sync_seconds: dict[str, float] = {}
         if outcome is not None:
-            self._timed(
+            self.roster.note_trained(dict.fromkeys(outcome.replies, version))
+            synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
+            sync_seconds = self._timed(
                 "sync",
                 timings,
-                lambda: self.weights.sync_with_retries(version, config.max_step_attempts),
+                lambda: self.weights.sync_pods(
+                    synced,
+                    version,
+                    config.max_step_attempts,
+                    is_lost=self._lost,
+                    align=frozenset(self._joining),
+                ),
             )
+            for pod in synced:
+                if pod.id not in sync_seconds:
+                    self.roster.drop(pod.id, "lost during the weight sync")
+            self._joining -= set(outcome.replies)
         return self.recorder.record(
-            step, version, position_after, data, batch, outcome, batch_id, timings
+            step,
+            version,
+            position_after,
+            data,
+            batch,
+            outcome,
+            batch_id,
+            timings,
+            epoch=epoch,
+            sync_seconds=sync_seconds,
         )
 
     def run_step_with_retries(self, stop: threading.Event) -> StepRecord | None:
@@ -169,13 +308,6 @@ class GrpoLoop:
         attempts = self.loop_config.max_step_attempts
         for attempt in range(1, attempts + 1):
             try:
-                # A generator that restarted, or missed a sync while it was unreachable, is
-                # brought to the trainer's version first: its samples would be refused otherwise.
-                self._timed(
-                    "align",
-                    {},
-                    lambda: self.weights.bring_generators_to(self.state.policy_version),
-                )
                 return self.run_step(attempt)
             except StepFailedError as err:
                 # Nothing of the attempt was applied (a Train of unknown outcome never ends up
@@ -207,7 +339,7 @@ class GrpoLoop:
             self.state.step, self.state.policy_version, self.source.position()
         ).encode()
         try:
-            reply = self.clients.trainer(self._trainer()).SaveCheckpoint(
+            reply = self.clients.trainer(self._lead().trainer).SaveCheckpoint(
                 trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
             )
         except grpc.RpcError as err:
@@ -220,11 +352,23 @@ class GrpoLoop:
         return reply.path
 
     def resume(self) -> None:
-        """Line the controller's position up with the trainer's policy version (resume.py)."""
-        address = self._trainer()
-        info = self.train_phase.trainer_info(address)
-        if info is None:
-            raise RunFailedError(f"trainer {address} does not answer Info")
+        """Line the controller's position up with the trainers' policy version (resume.py).
+
+        The run's position is decided from the trainer that holds the newest version (the
+        first by ordinal on a tie); trainers behind it heal from a peer in their next Train.
+        When that trainer must go back to a checkpoint, so must every trainer ahead of the
+        version it loads, or they would be taken for the newest replica."""
+        pods = self.roster.admit()
+        if not pods:
+            raise RunFailedError("no complete, healthy worker pod to resume the run with")
+        infos = {pod.id: self.train_phase.trainer_info(pod.trainer) for pod in pods}
+        answering = [pod for pod in pods if infos[pod.id] is not None]
+        if not answering:
+            raise RunFailedError(f"trainer {pods[0].trainer} does not answer Info")
+        lead = max(answering, key=lambda pod: (infos[pod.id].policy_version, -pods.index(pod)))
+        address = lead.trainer
+        info = infos[lead.id]
+        assert info is not None
         trainer = TrainerState(
             info.policy_version, info.last_batch_id, info.last_train if info.last_batch_id else None
         )
@@ -246,6 +390,17 @@ class GrpoLoop:
             trainer = TrainerState(reply.policy_version)
             loaded = ControllerState.decode(reply.controller_state)
             log.info("trainer restored checkpoint %s (version %d)", path, reply.policy_version)
+            for pod in answering:
+                other = infos[pod.id]
+                if (
+                    pod is not lead
+                    and other is not None
+                    and other.policy_version > (reply.policy_version)
+                ):
+                    self.clients.trainer(pod.trainer).LoadCheckpoint(
+                        trainer_pb2.LoadCheckpointRequest(path=path), timeout=self.clients.long
+                    )
+                    log.info("trainer of pod %s restored checkpoint %s too", pod.id, path)
         plan = plan_resume(self.store, pending, trainer, loaded, checkpoint_loaded=path is not None)
         if plan.recovered is not None:
             self.recorder.record_recovered(plan.recovered)
@@ -276,7 +431,60 @@ class GrpoLoop:
                 plan.policy_version,
                 plan.source.replace("_", " "),
             )
-        self.weights.bring_generators_to(plan.policy_version)
+        # Generators are brought to the trainers' version (rolled back when ahead) and the
+        # trainers acknowledged by the first step's align.
+
+    # -- held-out evaluation and the export (evaluation.py) ---------------------------------------
+    def _eval_phases(self, step: int) -> RunPhases:
+        def run(data: StepSamples, sampling: SamplingConfig) -> None:
+            version = self.state.policy_version
+            pods = self.align(version)
+            self.phases.generate(step, data, sampling, None, version, pods)
+            self.phases.score(data, self.roster.pods())
+
+        return run
+
+    def evaluate_after(self, step: int, when: str, stop: threading.Event) -> None:
+        """The evaluation that belongs after ``step`` (0 = before the first), unless it is
+        recorded already (a resumed run). It never trains and never draws from self.source."""
+        if stop.is_set() or self.recorder.has_eval_after(step):
+            return
+        if not (self.evaluator.due_after(step) or (when == "final" and self.evaluator.enabled)):
+            return
+        version = self.state.policy_version
+        record = self._timed(
+            "evaluate",
+            {},
+            lambda: self.evaluator.evaluate(
+                step, version, when, self._eval_phases(step), stop.wait
+            ),
+        )
+        self.recorder.record_eval(record)
+
+    def export(self) -> None:
+        """The finished policy as a Hugging Face folder, written by the lead trainer to
+        <run_dir>/export (on the trainer's filesystem); a failure is recorded, not fatal."""
+        path = self.config.run_dir / "export"
+        try:
+            reply = self.clients.trainer(self._lead().trainer).ExportHF(
+                trainer_pb2.ExportHFRequest(path=str(path)), timeout=self.clients.long
+            )
+        except (grpc.RpcError, StepFailedError) as err:
+            error = describe_rpc_error(err) if isinstance(err, grpc.RpcError) else str(err)
+            log.error("export of policy version %d failed: %s", self.state.policy_version, error)
+            self.store.put("export", {"path": None, "error": error, "step": self.state.step})
+            return
+        self.store.put(
+            "export",
+            {
+                "path": reply.path,
+                "files": list(reply.files),
+                "step": self.state.step,
+                "policy_version": self.state.policy_version,
+                "error": None,
+            },
+        )
+        log.info("policy version %d exported to %s", self.state.policy_version, reply.path)
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -287,6 +495,9 @@ class GrpoLoop:
             if stop.is_set():
                 return
             self.resume()
+            self.evaluate_after(
+                self.state.step, "initial" if not self.state.step else "periodic", stop
+            )
             while self.state.step < self.loop_config.steps and not stop.is_set():
                 record = self.run_step_with_retries(stop)
                 if record is None:
@@ -294,11 +505,16 @@ class GrpoLoop:
                 every = self.loop_config.checkpoint_every
                 if every and record.step % every == 0:
                     self._timed("checkpoint", {}, self.checkpoint)
+                self.evaluate_after(record.step, "periodic", stop)
             if self.state.step > 0 and self.store.get("checkpoint", {}).get("step") != (
                 self.state.step
             ):
                 self._timed("checkpoint", {}, self.checkpoint)
             finished = self.state.step >= self.loop_config.steps
+            if finished:
+                self.evaluate_after(self.state.step, "final", stop)
+                if self.loop_config.export_at_end:
+                    self._timed("export", {}, self.export)
             self.state.set_phase("finished" if finished else "stopped")
             self.recorder.write_summary()
         except (RunFailedError, StepFailedError) as err:
@@ -310,6 +526,7 @@ class GrpoLoop:
             self._fail(f"loop crashed: {type(err).__name__}: {err}")
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self.recorder.close()
 
     def _fail(self, error: str) -> None:
         log.error("run failed: %s", error)

@@ -33,3 +33,9 @@ UNKNOWN_TRAIN_METRICS = Counter(
     "podrl_steps_unknown_train_metrics_total",
     "Trained steps whose trainer metrics are unknown (the Train reply was lost).",
 )
+PODS = Gauge("podrl_pods", "Worker pods in the current step's roster (they train the policy).")
+EPOCH = Gauge("podrl_epoch", "Changes of the set of pods that train (the roster's epoch).")
+DESIRED_REPLICAS = Gauge(
+    "podrl_desired_replicas",
+    "Worker pods asked for (the worker StatefulSet's spec.replicas, or the local launcher's).",
+)

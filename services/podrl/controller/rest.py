@@ -1,22 +1,49 @@
-"""REST API of the controller (FastAPI): probes, status, workers, Prometheus metrics."""
+"""REST API of the controller (FastAPI): probes, status, workers, scaling, Prometheus metrics."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from fastapi import FastAPI, Query, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 import podrl
+from podrl.controller.evaluation import EvalView, stored_evaluations
 from podrl.controller.run_store import RunStore
+from podrl.controller.scaling import ReplicaScaler, ScaleError
 from podrl.controller.status import RunState, RunStatusView, StepView, WorkerView
+
+log = logging.getLogger(__name__)
 
 #: SQLite integers are signed 64-bit: a larger ``since`` is a client error (422), not a 500.
 _SQLITE_INT_MAX = 2**63 - 1
 
 
-def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
+class ReplicasView(BaseModel):
+    desired_replicas: int | None = Field(description="Worker pods asked for.")
+    max_replicas: int = Field(description="The most that may be asked for (max_worker_pods).")
+
+
+def build_rest_app(
+    state: RunState,
+    store: RunStore | None = None,
+    scaler: ReplicaScaler | None = None,
+    max_replicas: int = 1,
+) -> FastAPI:
+    """``scaler`` sets the desired pod count (``PUT /v1/workers/replicas``), up to
+    ``max_replicas`` (``controller.max_worker_pods``)."""
+
+    class ReplicasRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        replicas: StrictInt = Field(
+            ge=1,
+            le=max_replicas,
+            description=f"Worker pods wanted: 1 to {max_replicas} (controller.max_worker_pods).",
+        )
+
     app = FastAPI(
         title="podrl controller",
         version=podrl.__version__,
@@ -73,10 +100,73 @@ def build_rest_app(state: RunState, store: RunStore | None = None) -> FastAPI:
     ) -> list[StepView]:
         if store is None:
             return []
-        return [StepView(**vars(r)) for r in store.steps(since=since, limit=limit)]
+        return [
+            StepView.of(r.step, r.policy_version, r.finished_at, r.metrics)
+            for r in store.steps(since=since, limit=limit)
+        ]
+
+    def replicas_view() -> ReplicasView:
+        desired = scaler.desired_replicas() if scaler is not None else None
+        return ReplicasView(desired_replicas=desired, max_replicas=max_replicas)
+
+    @app.get(
+        "/v1/workers/replicas",
+        response_model=ReplicasView,
+        summary="The desired number of worker pods.",
+    )
+    def get_replicas() -> ReplicasView:
+        try:
+            return replicas_view()
+        except ScaleError as err:
+            raise HTTPException(_scale_error_status(err), str(err)) from err
+
+    @app.put(
+        "/v1/workers/replicas",
+        status_code=202,
+        response_model=ReplicasView,
+        summary="Set the desired number of worker pods (accepted; pods start or drain after).",
+        description="In a cluster the controller patches the worker StatefulSet's `scale` "
+        "subresource (as `kubectl scale` does); locally `podrl up`/`podrl run` start or drain "
+        "pod processes to match. New pods join at a step boundary; removed pods drain (their "
+        "share of a step in flight is done by the others). 422 when `replicas` is not an "
+        f"integer from 1 to {max_replicas}.",
+        responses={
+            422: {"description": "replicas missing, not an integer, or out of range."},
+            501: {"description": "This controller cannot scale (no scaler configured)."},
+            502: {"description": "The Kubernetes API refused the scale call (the body says why)."},
+            503: {"description": "The Kubernetes API server could not be reached."},
+        },
+    )
+    def put_replicas(body: ReplicasRequest) -> ReplicasView:
+        if scaler is None:
+            raise HTTPException(501, "this controller has no scaler")
+        try:
+            scaler.set_replicas(body.replicas)
+        except ScaleError as err:
+            raise HTTPException(_scale_error_status(err), str(err)) from err
+        log.info("desired worker pods set to %d (REST)", body.replicas)
+        return ReplicasView(desired_replicas=body.replicas, max_replicas=max_replicas)
+
+    @app.get(
+        "/v1/evals",
+        response_model=list[EvalView],
+        summary="Held-out evaluations of the run, in order (step 0 = before the first step).",
+        description="accuracy: share of validly scored evaluation prompts whose greedy "
+        "completion reached the task's pass_threshold; reward_mean: their mean reward; both "
+        "null when not measured (the evaluation failed: see error).",
+    )
+    def evals() -> list[EvalView]:
+        if store is None:
+            return []
+        return [EvalView(**e) for e in stored_evaluations(store)]
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format).")
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _scale_error_status(err: ScaleError) -> int:
+    """502 when the API server answered with an error, 503 when it could not be reached."""
+    return 503 if err.http_status is None else 502

@@ -107,6 +107,14 @@ class ResumePlan:
     """Where the position comes from: "start", "database", "step_in_flight", "checkpoint"."""
 
 
+def names_step_batch(last_batch_id: str, step_batch_id: str) -> bool:
+    """``last_batch_id`` (a trainer's) is one of the step's batches: the step's id itself, or
+    one pod's batch of any round of it (``<step id>.<round>@<pod>``)."""
+    if not step_batch_id or not last_batch_id:
+        return False
+    return last_batch_id == step_batch_id or last_batch_id.startswith(step_batch_id + ".")
+
+
 def _knows_version(history: StepHistory, pending: PendingStep | None, trainer_version: int) -> bool:
     """The records say where the trainer's version ends in the data. A trainer at version 0
     while the run had trained restarted: the records know version 0, but the run's progress is
@@ -162,7 +170,7 @@ def plan_resume(
     last = history.last_step()
     if not checkpoint_loaded and _in_flight_applied(last, pending, version):
         assert pending is not None
-        applied = bool(pending.batch_id) and trainer.last_batch_id == pending.batch_id
+        applied = names_step_batch(trainer.last_batch_id, pending.batch_id)
         recovered = RecoveredStep(
             step=pending.step,
             policy_version=version,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from podrl.controller.membership import MemberRegistry
+
+if TYPE_CHECKING:
+    from podrl.controller.roster import PodRoster
 from podrl.v1 import controller_pb2
 
 _COMPONENT_BY_NAME = {"generator": 1, "grader": 2, "trainer": 3}
@@ -25,6 +28,18 @@ class WorkerView(BaseModel):
     policy_version: int
 
 
+class PodView(BaseModel):
+    id: str = Field(description="The pod's worker id (its StatefulSet pod name; local-N locally).")
+    state: str = Field(
+        description="training (in the current step), joining (admitted; its trainer heals from "
+        "a peer in its first Train), waiting (admitted at the next step), draining, incomplete "
+        "(a service missing or unhealthy) or gone."
+    )
+    policy_version: int | None = Field(description="Its trainer's policy version.")
+    share: int = Field(description="Prompts of the current step generated and scored on it.")
+    train_sequences: int = Field(description="Sequences of the current step it trains on.")
+
+
 class RunStatusView(BaseModel):
     run_name: str
     phase: str = Field(description="waiting_for_workers, idle, generate, score, train, sync, ...")
@@ -32,6 +47,11 @@ class RunStatusView(BaseModel):
     policy_version: int
     ready: bool = Field(description="Enough complete, healthy worker pods to run a step.")
     healthy_pods: list[str]
+    epoch: int = Field(0, description="Changes of the set of pods that train (+1 at each).")
+    desired_replicas: int | None = Field(
+        None, description="Worker pods asked for (the StatefulSet's, or the local launcher's)."
+    )
+    pods: list[PodView] = Field(default_factory=list, description="Every known worker pod.")
     workers: list[WorkerView]
     phase_seconds: dict[str, float] = Field(description="Phase durations of the last step.")
     last_step_metrics: dict[str, Any] = Field(
@@ -40,13 +60,36 @@ class RunStatusView(BaseModel):
     steps_total: int = Field(description="Steps the run is configured for (loop.steps).")
     error: str | None = Field(description="The last step or run error, if any.")
     uptime_seconds: float
+    last_eval: dict[str, Any] | None = Field(
+        None, description="The latest held-out evaluation (as in /v1/evals), if any."
+    )
+    evaluations: int = Field(0, description="Held-out evaluations recorded so far.")
 
 
 class StepView(BaseModel):
     step: int
     policy_version: int
+    epoch: int | None = Field(
+        None, description="The roster's epoch the step was trained in (null: not known)."
+    )
+    pods: list[str] | None = Field(
+        None, description="The pods whose trainers applied the step (null: not known)."
+    )
     finished_at: float = Field(description="Unix time the step finished.")
     metrics: dict[str, Any]
+
+    @classmethod
+    def of(
+        cls, step: int, policy_version: int, finished_at: float, metrics: dict[str, Any]
+    ) -> StepView:
+        return cls(
+            step=step,
+            policy_version=policy_version,
+            epoch=metrics.get("epoch"),
+            pods=metrics.get("pods"),
+            finished_at=finished_at,
+            metrics=metrics,
+        )
 
 
 class RunState:
@@ -71,6 +114,10 @@ class RunState:
         self.last_step_metrics: dict[str, Any] = {}
         self.steps_total = steps_total
         self.error: str | None = None
+        self.roster: PodRoster | None = None
+        """The loop's pods and epoch (set by whoever builds the roster)."""
+        self.last_eval: dict[str, Any] | None = None
+        self.evaluations = 0
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -97,12 +144,21 @@ class RunState:
             self.last_step_metrics = dict(metrics)
             self.error = None
 
+    def set_evaluations(self, last: dict[str, Any] | None, count: int) -> None:
+        with self._lock:
+            self.last_eval = dict(last) if last is not None else None
+            self.evaluations = count
+
     def is_ready(self) -> bool:
         return len(self.registry.healthy_pods()) >= self.min_worker_pods
 
     def view(self) -> RunStatusView:
         pods = self.registry.healthy_pods()
         ready = len(pods) >= self.min_worker_pods
+        roster = self.roster
+        pod_views = [PodView(**vars(p)) for p in roster.status()] if roster else []
+        epoch = roster.epoch if roster else 0
+        desired = roster.desired_replicas() if roster else None
         with self._lock:
             waiting = not ready and self.phase not in ("finished", "failed")
             phase = "waiting_for_workers" if waiting else self.phase
@@ -113,12 +169,17 @@ class RunState:
                 policy_version=self.policy_version,
                 ready=ready,
                 healthy_pods=pods,
+                epoch=epoch,
+                desired_replicas=desired,
+                pods=pod_views,
                 workers=[WorkerView(**vars(m)) for m in self.registry.members()],
                 phase_seconds=dict(self.phase_seconds),
                 last_step_metrics=dict(self.last_step_metrics),
                 steps_total=self.steps_total,
                 error=self.error,
                 uptime_seconds=round(time.monotonic() - self.started, 3),
+                last_eval=dict(self.last_eval) if self.last_eval is not None else None,
+                evaluations=self.evaluations,
             )
 
 

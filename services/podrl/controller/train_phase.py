@@ -39,7 +39,9 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -73,6 +75,8 @@ class Verdict(enum.Enum):
 class Judgement:
     verdict: Verdict
     reason: str
+    restarted: bool = False
+    """The trainer holds a version below the one it had before the call: a new process."""
 
 
 def judge_train_failure(
@@ -80,14 +84,24 @@ def judge_train_failure(
     details: str,
     request: trainer_pb2.TrainRequest,
     info: trainer_pb2.TrainerInfo | None,
+    held_before: int | None = None,
+    earlier_batch_ids: frozenset[str] = frozenset(),
 ) -> Judgement:
     """What a failed Train call means, given the trainer's Info right after it (None when Info
-    failed too). Pure: the table in the module docstring."""
+    failed too). Pure: the table in the module docstring.
+
+    ``held_before``: the trainer's version before the call (default: the request's). A joining
+    trainer is behind and heals from a peer inside Train, so any version from ``held_before``
+    to the request's counts as "not advanced"; one below ``held_before`` is a trainer that
+    restarted. ``earlier_batch_ids``: the ids of this step's earlier rounds (also this step)."""
     expected = request.policy_version
+    before = expected if held_before is None else held_before
     if info is None:
         return Judgement(Verdict.RESEND, "the trainer does not answer Info")
-    if request.batch_id and info.last_batch_id == request.batch_id:
-        return Judgement(Verdict.APPLIED, f"the trainer's last batch is {request.batch_id}")
+    if info.last_batch_id and (
+        info.last_batch_id == request.batch_id or info.last_batch_id in earlier_batch_ids
+    ):
+        return Judgement(Verdict.APPLIED, f"the trainer's last batch is {info.last_batch_id}")
     if info.policy_version == expected + 1:
         if info.last_batch_id:
             return Judgement(
@@ -99,7 +113,14 @@ def judge_train_failure(
             Verdict.APPLIED_METRICS_UNKNOWN,
             f"the trainer is at version {info.policy_version} and reports no batch id",
         )
-    if info.policy_version != expected:
+    if info.policy_version < before:
+        return Judgement(
+            Verdict.FAIL_RUN,
+            f"the trainer reports version {info.policy_version} (expected {expected}): it "
+            "restarted; restart the run to resume from its records and checkpoints",
+            restarted=True,
+        )
+    if info.policy_version > expected:
         return Judgement(
             Verdict.FAIL_RUN,
             f"the trainer reports version {info.policy_version} (expected {expected}); restart "
@@ -117,9 +138,31 @@ class TrainOutcome:
     """An applied Train: the reply, and whether its metrics are the trainer's measurements."""
 
     reply: trainer_pb2.TrainResponse
+    """The step's record: the first pod's (in roster order) whose metrics are measured."""
     metrics_known: bool
     sends: int
-    """How many times the request was sent (1 unless a reply was lost)."""
+    """How many times the step's requests were sent (1 unless a reply was lost or a pod died
+    mid-step)."""
+    replies: dict[str, trainer_pb2.TrainResponse] = field(default_factory=dict)
+    """Pod id → its reply, for every pod whose trainer applied the step."""
+    batch_ids: dict[str, str] = field(default_factory=dict)
+    """Pod id → the batch id it applied."""
+
+
+#: Builds the step's requests for a set of pods: round 1, and again (re-split, new batch ids)
+#: after a pod was lost. Pod id → its request.
+RequestsFor = Callable[[list[str], int], dict[str, trainer_pb2.TrainRequest]]
+
+
+@dataclass
+class _PodResult:
+    pod: str
+    request: trainer_pb2.TrainRequest
+    reply: trainer_pb2.TrainResponse | None = None
+    measured: bool = True
+    judgement: Judgement | None = None
+    error: grpc.RpcError | None = None
+    lost: bool = False
 
 
 class TrainPhase:
@@ -129,13 +172,17 @@ class TrainPhase:
         attempts: int,
         stop: threading.Event | None = None,
         backoff_seconds: float = 2.0,
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self._clients = clients
         self._attempts = attempts
         self._backoff = backoff_seconds
         """The wait before re-send k is k times this (at most 10 s)."""
+        self._pool = pool
         self.stop = stop or threading.Event()
         """Set when the run stops: waits between re-sends end early."""
+        self.on_lost: Callable[[str, str], None] = lambda pod, reason: None
+        """Called with (pod id, reason) for a pod whose trainer was lost mid-step."""
 
     def trainer_info(self, address: str) -> trainer_pb2.TrainerInfo | None:
         try:
@@ -146,67 +193,209 @@ class TrainPhase:
             return None
 
     def train(self, address: str, request: trainer_pb2.TrainRequest) -> TrainOutcome:
-        """Send ``request`` until its outcome is known; see the module docstring."""
-        expected = request.policy_version
-        stub = self._clients.trainer(address)
-        before = self.trainer_info(address)
-        if before is not None and before.policy_version != expected:
-            # Checked first so that "one version ahead after a failed call" can only mean
-            # that this request was applied.
-            raise RunFailedError(
-                f"trainer {address} is at policy version {before.policy_version} before this "
-                f"step's Train (expected {expected}, last batch {before.last_batch_id or 'none'})"
-                "; restart the run to resume from its records and checkpoints"
-            )
-        for send in range(1, self._attempts + 1):
-            try:
-                reply = stub.Train(request, timeout=self._clients.long)
-            except grpc.RpcError as err:
-                info = self.trainer_info(address)
-                judgement = judge_train_failure(err.code(), err.details() or "", request, info)
+        """One trainer, one request: sent until its outcome is known (module docstring)."""
+        return self.train_pods({address: address}, request.policy_version, lambda p, r: {
+            address: request
+        })  # fmt: skip
+
+    def train_pods(
+        self, trainers: dict[str, str], expected: int, requests_for: RequestsFor
+    ) -> TrainOutcome:
+        """Train the step on every pod of ``trainers`` (pod id → trainer address, in roster
+        order) at once, each with its share, until its outcome is known.
+
+        - every pod's trainer applied it → its replies;
+        - a pod was lost (its trainer does not answer, or restarted) while the others answered
+          "not applied" (ABORTED: a peer died, nothing changed) → the lost pods leave and the
+          step's batch is re-split over the rest and sent again with new batch ids, so the step
+          is trained exactly once;
+        - any trainer applied it → applied (pods that did not heal from a peer at the next
+          step);
+        - outcome unknown (a lost reply) on a pod still there → the same requests are sent
+          again to the same pods (a trainer answers a repeated batch id from its stored
+          reply);
+        - every pod answered "not applied" → ``StepFailedError`` (the attempt is retried);
+          a refused batch or a trainer somewhere else → ``RunFailedError``.
+        """
+        pods = list(trainers)
+        before = self._versions_before(trainers, pods, expected)
+        round_no, sends = 1, 0
+        requests = requests_for(pods, round_no)
+        earlier: set[str] = set()
+        while True:
+            sends += 1
+            results = self._send(trainers, requests, before, frozenset(earlier))
+            applied = [r for r in results if r.reply is not None]
+            if applied:
+                for result in results:
+                    if result.reply is None:
+                        self._log_left_behind(result)
+                    if result.lost and len(pods) > 1:
+                        self.on_lost(result.pod, f"train: {result.judgement.reason}")
+                return self._applied(applied, expected, sends)
+            failing = [r for r in results if r.judgement is not None]
+            run_fail = [
+                r
+                for r in failing
+                if r.judgement.verdict is Verdict.FAIL_RUN and not r.judgement.restarted
+            ]
+            if run_fail:
+                first = run_fail[0]
+                raise RunFailedError(
+                    f"trainer {trainers[first.pod]} failed during Train "
+                    f"({describe_rpc_error(first.error)}): {first.judgement.reason}"
+                ) from first.error
+            lost = [r for r in failing if r.lost]
+            survivors = [p for p in pods if p not in {r.pod for r in lost}]
+            if lost and survivors:
+                for result in lost:
+                    self.on_lost(result.pod, f"train: {result.judgement.reason}")
+                if sends >= self._attempts:
+                    raise StepFailedError(
+                        "train",
+                        f"pods were lost mid-step {sends} times (last: {lost[0].pod}: "
+                        f"{lost[0].judgement.reason})",
+                    )
+                earlier |= {r.batch_id for r in requests.values()}
+                pods, round_no = survivors, round_no + 1
+                requests = requests_for(pods, round_no)
                 log.warning(
-                    "Train of batch %s (send %d/%d) failed with %s: %s → %s",
-                    request.batch_id,
-                    send,
-                    self._attempts,
-                    describe_rpc_error(err),
-                    judgement.reason,
-                    judgement.verdict.value,
+                    "Train: pods %s lost mid-step; the batch is re-split over %s (round %d)",
+                    [r.pod for r in lost],
+                    pods,
+                    round_no,
                 )
-                verdict = judgement.verdict
-                if verdict is Verdict.APPLIED:
-                    assert info is not None
-                    return self._checked(info.last_train, expected, send, measured=True)
-                if verdict is Verdict.APPLIED_METRICS_UNKNOWN:
-                    assert info is not None
-                    unknown = trainer_pb2.TrainResponse(policy_version=info.policy_version)
-                    return self._checked(unknown, expected, send, measured=False)
-                if verdict is Verdict.NOT_APPLIED:
-                    raise StepFailedError("train", judgement.reason) from err
-                if verdict is Verdict.FAIL_RUN:
-                    raise RunFailedError(
-                        f"trainer {address} failed during Train ({describe_rpc_error(err)}): "
-                        f"{judgement.reason}"
-                    ) from err
-                if send == self._attempts:
-                    raise RunFailedError(
-                        f"Train of batch {request.batch_id} on trainer {address}: outcome still "
-                        f"unknown after {send} sends ({judgement.reason}; last error "
-                        f"{describe_rpc_error(err)}); a restart finds out from the trainer "
-                        "whether the step was applied"
-                    ) from err
-                self.stop.wait(min(self._backoff * send, 10.0))
                 continue
-            return self._checked(reply, expected, send, measured=True)
-        raise AssertionError("unreachable: the loop returns or raises")
+            restarted = [r for r in failing if r.judgement.restarted]
+            if restarted:
+                first = restarted[0]
+                raise RunFailedError(
+                    f"trainer {trainers[first.pod]} failed during Train "
+                    f"({describe_rpc_error(first.error)}): {first.judgement.reason}"
+                ) from first.error
+            resend = [r for r in failing if r.judgement.verdict is Verdict.RESEND]
+            if resend:
+                first = resend[0]
+                if sends >= self._attempts:
+                    raise RunFailedError(
+                        f"Train of batch {first.request.batch_id} on trainer "
+                        f"{trainers[first.pod]}: outcome still unknown after {sends} sends "
+                        f"({first.judgement.reason}; last error "
+                        f"{describe_rpc_error(first.error)}); a restart finds out from the "
+                        "trainer whether the step was applied"
+                    ) from first.error
+                self.stop.wait(min(self._backoff * sends, 10.0))
+                continue
+            first = failing[0]
+            raise StepFailedError("train", first.judgement.reason) from first.error
+
+    def _versions_before(
+        self, trainers: dict[str, str], pods: list[str], expected: int
+    ) -> dict[str, int]:
+        """Each trainer's version before the first send. Checked first so that "one version
+        ahead after a failed call" can only mean that this step's request was applied."""
+        before: dict[str, int] = {}
+        for pod in pods:
+            info = self.trainer_info(trainers[pod])
+            if info is None:
+                continue  # judged after the send
+            if info.policy_version > expected:
+                raise RunFailedError(
+                    f"trainer {trainers[pod]} is at policy version {info.policy_version} "
+                    f"before this step's Train (expected {expected}, last batch "
+                    f"{info.last_batch_id or 'none'}); restart the run to resume from its "
+                    "records and checkpoints"
+                )
+            before[pod] = info.policy_version
+        if before and expected not in before.values():
+            pod, version = next(iter(before.items()))
+            raise RunFailedError(
+                f"trainer {trainers[pod]} is at policy version {version} before this step's "
+                f"Train (expected {expected}) and no trainer holds version {expected} to heal "
+                "it from; restart the run to resume from its records and checkpoints"
+            )
+        return before
+
+    def _send(
+        self,
+        trainers: dict[str, str],
+        requests: dict[str, trainer_pb2.TrainRequest],
+        before: dict[str, int],
+        earlier: frozenset[str],
+    ) -> list[_PodResult]:
+        def call(pod: str) -> _PodResult:
+            request = requests[pod]
+            address = trainers[pod]
+            result = _PodResult(pod, request)
+            try:
+                result.reply = self._clients.trainer(address).Train(
+                    request, timeout=self._clients.long
+                )
+                return result
+            except grpc.RpcError as err:
+                result.error = err
+            info = self.trainer_info(address)
+            code = result.error.code()
+            judgement = judge_train_failure(
+                code,
+                result.error.details() or "",
+                request,
+                info,
+                held_before=before.get(pod),
+                earlier_batch_ids=earlier,
+            )
+            log.warning(
+                "Train of batch %s failed with %s: %s → %s",
+                request.batch_id,
+                describe_rpc_error(result.error),
+                judgement.reason,
+                judgement.verdict.value,
+            )
+            if judgement.verdict is Verdict.APPLIED:
+                assert info is not None
+                result.reply = info.last_train
+            elif judgement.verdict is Verdict.APPLIED_METRICS_UNKNOWN:
+                assert info is not None
+                result.reply = trainer_pb2.TrainResponse(policy_version=info.policy_version)
+                result.measured = False
+            else:
+                result.judgement = judgement
+                # No answer to Info either: the trainer is gone (or out of reach) for now.
+                result.lost = judgement.restarted or info is None
+            return result
+
+        pods = list(requests)
+        if len(pods) == 1 or self._pool is None:
+            return [call(pod) for pod in pods]
+        futures = [self._pool.submit(call, pod) for pod in pods]
+        return [future.result() for future in futures]
 
     @staticmethod
-    def _checked(
-        reply: trainer_pb2.TrainResponse, expected: int, sends: int, *, measured: bool
-    ) -> TrainOutcome:
-        if reply.policy_version != expected + 1:
-            raise RunFailedError(
-                f"the trainer answered Train with policy version {reply.policy_version}, "
-                f"expected {expected + 1}"
-            )
-        return TrainOutcome(reply, measured, sends)
+    def _log_left_behind(result: _PodResult) -> None:
+        assert result.judgement is not None
+        log.warning(
+            "pod %s did not apply batch %s while others did (%s): it heals from a peer in its "
+            "next Train",
+            result.pod,
+            result.request.batch_id,
+            result.judgement.reason,
+        )
+
+    @staticmethod
+    def _applied(results: list[_PodResult], expected: int, sends: int) -> TrainOutcome:
+        for result in results:
+            assert result.reply is not None
+            if result.reply.policy_version != expected + 1:
+                raise RunFailedError(
+                    f"the trainer of pod {result.pod} answered Train with policy version "
+                    f"{result.reply.policy_version}, expected {expected + 1}"
+                )
+        record = next((r for r in results if r.measured), results[0])
+        assert record.reply is not None
+        return TrainOutcome(
+            reply=record.reply,
+            metrics_known=record.measured,
+            sends=sends,
+            replies={r.pod: r.reply for r in results if r.reply is not None},
+            batch_ids={r.pod: r.request.batch_id for r in results},
+        )

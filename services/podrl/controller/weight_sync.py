@@ -1,23 +1,31 @@
-"""Moving a new policy version from the trainer to every generator.
+"""Moving a new policy version from each pod's trainer to that pod's generator.
 
-``PublishWeights`` on the trainer → ``ApplyWeights`` on every healthy generator (in parallel) →
-``AcknowledgeWeights`` on the trainer, which may then update the published storage again.
+Weight sync stays inside a pod: a pod's trainer publishes shared-memory (CPU) or CUDA IPC (GPU)
+handles that only its own generator can open, and that generator trusts only its own pod's
+trainer. So for every pod, in parallel: ``PublishWeights`` on its trainer → ``ApplyWeights`` on
+its generator → ``AcknowledgeWeights`` on its trainer, which may then update the published
+storage again. The cost of a sync does not grow with the number of pods.
+
 A generator that answers FAILED_PRECONDITION to a version-only manifest (restarted, no cached
-plan) is sent a full manifest. The trainer already holds the version when a sync runs, so a
-failed sync is retried on its own, never by redoing the step.
+plan, or needing a full manifest) is sent a full manifest. The trainers already hold the version
+when a sync runs, so a failed sync is retried on its own, never by redoing the step; a pod that
+is lost meanwhile is left out (its generator is aligned by a full manifest when it is admitted
+again).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.clients import WorkerClients, fan_out
+from podrl.controller.clients import WorkerClients
+from podrl.controller.roster import Pod
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.v1 import common_pb2, generator_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -32,64 +40,44 @@ class WeightSync:
         self,
         clients: WorkerClients,
         pool: ThreadPoolExecutor,
-        trainer_address: Callable[[], str],
-        generators: Callable[[], list[str]],
         stop: threading.Event | None = None,
     ) -> None:
         self._clients = clients
         self._pool = pool
-        self._trainer_address = trainer_address
-        self._generators = generators
         self.stop = stop or threading.Event()
         """Set when the run stops: retries end early."""
 
     def sync(
-        self,
-        version: int,
-        force_full: bool = False,
-        generators: list[str] | None = None,
-        rollback: bool = False,
+        self, pod: Pod, version: int, force_full: bool = False, rollback: bool = False
     ) -> None:
-        """Trainer publishes, the generators (all healthy ones by default) apply, the trainer
-        hears the acknowledgment. ``rollback``: the generators may hold a newer version (the
-        trainer went back to a checkpoint)."""
-        trainer = self._clients.trainer(self._trainer_address())
-        targets = self._generators() if generators is None else generators
-        manifest = self._publish(trainer, version, force_full or rollback)
-        full = [manifest] if not manifest.version_only else []
-        full_lock = threading.Lock()
-
-        def full_manifest() -> weights_pb2.WeightManifest:
-            with full_lock:  # one full publish, however many generators need it
-                if not full:
-                    full.append(self._publish(trainer, version, force_full=True))
-                return full[0]
-
-        def apply(address: str) -> None:
-            stub = self._clients.generator(address)
-            request = generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=rollback)
+        """The pod's trainer publishes, its generator applies, the trainer hears the
+        acknowledgment. ``rollback``: the generator may hold a newer version (the trainer went
+        back to a checkpoint)."""
+        trainer = self._clients.trainer(pod.trainer)
+        manifest = self._publish(pod, trainer, version, force_full or rollback)
+        stub = self._clients.generator(pod.generator)
+        request = generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=rollback)
+        try:
+            stub.ApplyWeights(request, timeout=self._clients.long)
+        except grpc.RpcError as err:
+            # A restarted or new generator has no cached plan: send it the full manifest.
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not manifest.version_only:
+                raise StepFailedError(
+                    "sync", f"generator {pod.generator}: {describe_rpc_error(err)}"
+                ) from err
+            full = self._publish(pod, trainer, version, force_full=True)
             try:
-                stub.ApplyWeights(request, timeout=self._clients.long)
-                return
-            except grpc.RpcError as err:
-                # A restarted or new generator has no cached plan: send it the full manifest.
-                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not manifest.version_only:
-                    raise StepFailedError(
-                        "sync", f"generator {address}: {describe_rpc_error(err)}"
-                    ) from err
-            request = generator_pb2.ApplyWeightsRequest(manifest=full_manifest())
-            try:
-                stub.ApplyWeights(request, timeout=self._clients.long)
+                stub.ApplyWeights(
+                    generator_pb2.ApplyWeightsRequest(manifest=full), timeout=self._clients.long
+                )
             except grpc.RpcError as err:
                 raise StepFailedError(
-                    "sync", f"generator {address}: {describe_rpc_error(err)}"
+                    "sync", f"generator {pod.generator}: {describe_rpc_error(err)}"
                 ) from err
-
-        fan_out(self._pool, [lambda a=a: apply(a) for a in targets])
-        self._acknowledge(trainer, version)
+        self._acknowledge(pod, trainer, version)
 
     def _publish(
-        self, trainer: trainer_pb2_grpc.TrainerStub, version: int, force_full: bool
+        self, pod: Pod, trainer: trainer_pb2_grpc.TrainerStub, version: int, force_full: bool
     ) -> weights_pb2.WeightManifest:
         try:
             published = trainer.PublishWeights(
@@ -98,16 +86,17 @@ class WeightSync:
             )
         except grpc.RpcError as err:
             raise StepFailedError(
-                "sync", f"trainer PublishWeights: {describe_rpc_error(err)}"
+                "sync", f"trainer {pod.trainer} PublishWeights: {describe_rpc_error(err)}"
             ) from err
         if published.manifest.version != version:
             raise StepFailedError(
                 "sync",
-                f"trainer published version {published.manifest.version}, expected {version}",
+                f"trainer {pod.trainer} published version {published.manifest.version}, "
+                f"expected {version}",
             )
         return published.manifest
 
-    def _acknowledge(self, trainer: trainer_pb2_grpc.TrainerStub, version: int) -> None:
+    def _acknowledge(self, pod: Pod, trainer: trainer_pb2_grpc.TrainerStub, version: int) -> None:
         try:
             trainer.AcknowledgeWeights(
                 trainer_pb2.AcknowledgeWeightsRequest(version=version, generator_id="controller"),
@@ -115,56 +104,109 @@ class WeightSync:
             )
         except grpc.RpcError as err:
             raise StepFailedError(
-                "sync", f"trainer AcknowledgeWeights: {describe_rpc_error(err)}"
+                "sync", f"trainer {pod.trainer} AcknowledgeWeights: {describe_rpc_error(err)}"
             ) from err
 
-    def sync_with_retries(self, version: int, attempts: int) -> None:
+    def sync_with_retries(
+        self,
+        pod: Pod,
+        version: int,
+        attempts: int,
+        is_lost: Callable[[Pod], bool] = lambda pod: False,
+        align: bool = False,
+    ) -> float | None:
         """The trainer already holds ``version``: a failed sync is retried on its own (redoing
         the step would train on its prompts twice). Republishing a pending version is allowed,
-        and a generator that already applied it answers the retry with success."""
+        and a generator that already applied it answers the retry with success. ``align``: the
+        generator's version is unknown (its pod just joined): :meth:`bring_generator_to`.
+        Returns the seconds of the sync that succeeded, or None when ``is_lost(pod)`` says the
+        pod is gone (it is aligned when admitted again)."""
         for attempt in range(1, attempts + 1):
+            start = time.perf_counter()
             try:
-                self.sync(version)
-                return
+                if align:
+                    self.bring_generator_to(pod, version)
+                else:
+                    self.sync(pod, version)
+                return time.perf_counter() - start
             except StepFailedError as err:
                 metrics.STEP_FAILURES.labels("sync").inc()
-                log.error("weight sync of version %d, attempt %d failed: %s", version, attempt, err)
+                log.error(
+                    "weight sync of version %d on pod %s, attempt %d failed: %s",
+                    version,
+                    pod.id,
+                    attempt,
+                    err,
+                )
+                if is_lost(pod):
+                    log.warning(
+                        "pod %s is gone: its sync of version %d is dropped", pod.id, version
+                    )
+                    return None
                 if attempt == attempts or self.stop.is_set():
                     raise RunFailedError(
-                        f"weight sync of version {version} failed {attempt} times ({err}); a "
-                        "restart resumes after the trained step and re-syncs the generators"
+                        f"weight sync of version {version} on pod {pod.id} failed {attempt} "
+                        f"times ({err}); a restart resumes after the trained step and re-syncs "
+                        "the generators"
                     ) from err
                 self.stop.wait(min(2.0 * attempt, 10.0))
+        raise AssertionError("unreachable: the loop returns or raises")
 
-    def bring_generators_to(self, version: int) -> None:
-        """Generators that do not serve ``version`` get a full manifest of it (those ahead of
-        the trainer roll back), and so do those whose weights are unsettled (``weight_state``
-        needs_full or applying: a failed or overrun apply; they refuse Generate and every
-        version-only manifest until a full one lands). The trainer is acknowledged in any case,
-        so a version whose acknowledgement was lost (e.g. the controller died mid-sync) cannot
-        block it."""
-        behind: list[str] = []
-        ahead: list[str] = []
-        for address in self._generators():
-            try:
-                info = self._clients.generator(address).Info(
-                    common_pb2.InfoRequest(), timeout=self._clients.short
-                )
-            except grpc.RpcError as err:
-                raise StepFailedError(
-                    "sync", f"generator {address} Info: {describe_rpc_error(err)}"
-                ) from err
-            if info.policy_version > version:
-                ahead.append(address)  # a rollback sends a full manifest in any state
-            elif info.policy_version < version or info.weight_state in _UNSETTLED:
-                behind.append(address)
-        if behind:
-            log.info("generators %s are behind version %d: full weight sync", behind, version)
-            self.sync(version, force_full=True, generators=behind)
-        if ahead:
-            log.warning(
-                "generators %s are ahead of the trainer (version %d): rollback", ahead, version
+    def sync_pods(
+        self,
+        pods: list[Pod],
+        version: int,
+        attempts: int,
+        is_lost: Callable[[Pod], bool] = lambda pod: False,
+        align: frozenset[str] = frozenset(),
+    ) -> dict[str, float]:
+        """Every pod syncs its own generator, all at once (those in ``align`` by
+        :meth:`bring_generator_to`). Pod id → seconds of its sync (pods lost meanwhile are
+        left out)."""
+        futures = {
+            pod.id: self._pool.submit(
+                self.sync_with_retries, pod, version, attempts, is_lost, pod.id in align
             )
-            self.sync(version, generators=ahead, rollback=True)
-        if not behind and not ahead:
-            self._acknowledge(self._clients.trainer(self._trainer_address()), version)
+            for pod in pods
+        }
+        seconds: dict[str, float] = {}
+        failure: BaseException | None = None
+        for pod_id, future in futures.items():
+            try:
+                result = future.result()
+            except BaseException as err:  # every pod's sync ends before the failure is raised
+                failure = failure or err
+                continue
+            if result is not None:
+                seconds[pod_id] = result
+        if failure is not None:
+            raise failure
+        return seconds
+
+    def bring_generator_to(self, pod: Pod, version: int) -> None:
+        """The pod's generator gets a full manifest of ``version`` from its trainer when it
+        does not serve it (one ahead of the trainer rolls back), and so does one whose weights
+        are unsettled (``weight_state`` needs_full or applying: a failed or overrun apply; it
+        refuses Generate and every version-only manifest until a full one lands). The trainer
+        is acknowledged in any case, so a version whose acknowledgement was lost (e.g. the
+        controller died mid-sync) cannot block it."""
+        try:
+            info = self._clients.generator(pod.generator).Info(
+                common_pb2.InfoRequest(), timeout=self._clients.short
+            )
+        except grpc.RpcError as err:
+            raise StepFailedError(
+                "sync", f"generator {pod.generator} Info: {describe_rpc_error(err)}"
+            ) from err
+        if info.policy_version > version:
+            log.warning(
+                "generator of pod %s is ahead of its trainer (version %d): rollback",
+                pod.id,
+                version,
+            )
+            self.sync(pod, version, rollback=True)  # a rollback sends a full manifest
+        elif info.policy_version < version or info.weight_state in _UNSETTLED:
+            log.info("generator of pod %s is behind version %d: full weight sync", pod.id, version)
+            self.sync(pod, version, force_full=True)
+        else:
+            self._acknowledge(pod, self._clients.trainer(pod.trainer), version)

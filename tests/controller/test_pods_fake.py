@@ -1,0 +1,286 @@
+"""The loop over several worker pods, against fake pods (trainer and generator stand-ins over
+real gRPC, tests/controller/fake_workers.py, whose trainers form a FakeReplicaGroup: the
+cross-pod contract of the real ones) and the REAL grader.
+
+Each test runs ``GrpoLoop.run`` to its end and checks what the run left behind: every step
+trained once, each prompt in one step and one pod, the pods' fake parameters equal (and equal
+to one pod's on the same batches), and what the records say (epoch, pods, samples' pods).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from podrl.common.processes import free_port
+from podrl.common.service import ServiceProcess
+from podrl.controller.clients import WorkerClients
+from podrl.controller.loop import GrpoLoop
+from podrl.controller.membership import MemberRegistry
+from podrl.controller.roster import PodRoster
+from podrl.controller.run_store import RunStore
+from podrl.controller.status import RunState
+from podrl.grader.main import build_spec as build_grader
+from podrl.tasks import build_task_source
+from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
+from tests.controller.fake_workers import FakePod, FakeReplicaGroup
+from tests.controller.test_loop_fake_pod import GROUP, PROMPTS, _config
+from tests.foundation.run_secret import credentials
+
+STEPS = 3
+COMPONENTS = (
+    controller_pb2.COMPONENT_GENERATOR,
+    controller_pb2.COMPONENT_GRADER,
+    controller_pb2.COMPONENT_TRAINER,
+)
+
+
+@pytest.fixture(scope="module")
+def grader_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    config = _config(tmp_path_factory.mktemp("grader"), port)
+    process = ServiceProcess(build_grader(config), config)
+    process.start()
+    yield f"127.0.0.1:{port}"
+    process.shutdown("test finished")
+
+
+class Cluster:
+    """Fake pods registered with a real registry (their grader is the shared real one)."""
+
+    def __init__(self, tmp_path: Path, grader: str, group: FakeReplicaGroup | None) -> None:
+        self.tmp_path = tmp_path
+        self.grader = grader
+        self.group = group
+        self.registry = MemberRegistry(heartbeat_timeout_seconds=3600)
+        self.pods: dict[str, FakePod] = {}
+
+    def add(self, pod_id: str) -> FakePod:
+        pod = FakePod(self.tmp_path / "run" / "checkpoints", pod_id, group=self.group)
+        self.pods[pod_id] = pod
+        for component in COMPONENTS:
+            address = self.grader if component == controller_pb2.COMPONENT_GRADER else pod.address
+            self.registry.register(pod_id, component, address, f"{pod_id}-incarnation")
+        return pod
+
+    def drain(self, pod_id: str) -> None:
+        """As SIGTERM: every process of the pod tells the controller it is draining."""
+        for component in COMPONENTS:
+            self.registry.drain(pod_id, component, f"{pod_id}-incarnation")
+
+    def stop(self) -> None:
+        for pod in self.pods.values():
+            pod.stop()
+
+    def run(
+        self, steps: int = STEPS, on_step: Callable[[int], None] | None = None
+    ) -> dict[str, Any]:
+        run_dir = self.tmp_path / "run"
+        config = _config(run_dir, int(self.grader.rsplit(":", 1)[1]), steps=steps)
+        state = RunState(config.name, self.registry, 1, config.loop.steps)
+        store = RunStore(run_dir / "controller.sqlite")
+        clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
+        roster = PodRoster(self.registry)
+        loop = GrpoLoop(config, state, store, clients, build_task_source(config.tasks), roster)
+        loop.train_phase._backoff = 0.05
+        if on_step is not None:
+            record = loop.recorder.record
+
+            def recorded(step: int, *args: Any, **kwargs: Any) -> Any:
+                result = record(step, *args, **kwargs)
+                on_step(step)
+                return result
+
+            loop.recorder.record = recorded  # type: ignore[method-assign]
+        try:
+            loop.run(threading.Event())
+            steps_done = store.steps()
+        finally:
+            clients.close()
+            store.close()
+        samples = [
+            json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
+        ]
+        return {"state": state, "steps": steps_done, "samples": samples, "roster": roster}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, grader_address: str) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, grader_address, FakeReplicaGroup())
+    yield cluster
+    cluster.stop()
+
+
+def _digest(address: str) -> trainer_pb2.ParametersDigestResponse:
+    with grpc.insecure_channel(address) as channel:
+        return trainer_pb2_grpc.TrainerStub(channel).ParametersDigest(
+            trainer_pb2.ParametersDigestRequest(), timeout=5
+        )
+
+
+def _check_every_prompt_once(samples: list[dict[str, Any]], steps: int) -> None:
+    """Each prompt in exactly one step, with one whole group, from one pod."""
+    groups: dict[str, set[tuple[int, str | None]]] = {}
+    counts: dict[str, int] = {}
+    for row in samples:
+        groups.setdefault(row["prompt_id"], set()).add((row["step"], row["pod"]))
+        counts[row["prompt_id"]] = counts.get(row["prompt_id"], 0) + 1
+    assert sorted(groups) == sorted(f"copy/{i}" for i in range(steps * PROMPTS))
+    assert all(len(where) == 1 for where in groups.values()), groups
+    assert set(counts.values()) == {GROUP}
+
+
+def test_two_pods_share_each_step_and_end_with_the_parameters_of_one_pod(
+    cluster: Cluster, tmp_path: Path, grader_address: str
+) -> None:
+    pods = [cluster.add("pod-0"), cluster.add("pod-1")]
+    run = cluster.run()
+    assert run["state"].phase == "finished", run["state"].error
+    assert [s.step for s in run["steps"]] == [1, 2, 3]
+    for record in run["steps"]:
+        assert record.metrics["pods"] == ["pod-0", "pod-1"]
+        assert record.metrics["epoch"] == 1
+        assert set(record.metrics["generated_by"]) == {"pod-0", "pod-1"}
+    for pod in pods:
+        # Each trainer trained its share of every step, and the pods' shares make the batch.
+        assert len(pod.trainer.applied) == STEPS and pod.trainer.version == STEPS
+        assert pod.generator.version == STEPS
+        assert 0 < len(pod.generator.generated) < STEPS * PROMPTS
+        # Weight sync stayed inside the pod: each generator applied its own trainer's manifests.
+        assert {m.publisher_id for m in pod.generator.applied} == {pod.id}
+    for step in range(STEPS):
+        shares = [{s.sample_id for s in pod.trainer.applied[step].sequences} for pod in pods]
+        assert not shares[0] & shares[1]
+        totals = {pod.trainer.applied[step].global_sequences for pod in pods}
+        assert totals == {len(shares[0] | shares[1])}
+        assert {pod.trainer.applied[step].pods for pod in pods} == {2}
+    digests = {_digest(pod.address).sha256 for pod in pods}
+    assert len(digests) == 1
+    _check_every_prompt_once(run["samples"], STEPS)
+    assert {row["pod"] for row in run["samples"]} == {"pod-0", "pod-1"}
+
+    # One pod on the same prompts (the fake generator answers by prompt, so the same batches)
+    # ends with the same parameters: the pods' update is the 1-pod update.
+    alone = Cluster(tmp_path / "alone", grader_address, None)
+    alone.add("pod-0")
+    try:
+        one = alone.run()
+        assert one["state"].phase == "finished", one["state"].error
+        assert _digest(alone.pods["pod-0"].address).sha256 in digests
+    finally:
+        alone.stop()
+
+
+def test_a_pod_that_registers_mid_run_joins_at_the_next_step_and_heals(
+    cluster: Cluster,
+) -> None:
+    cluster.add("pod-0")
+    joined: dict[str, FakePod] = {}
+
+    def after_step(step: int) -> None:
+        if step == 1:
+            joined["pod"] = cluster.add("pod-1")
+
+    run = cluster.run(steps=4, on_step=after_step)
+    assert run["state"].phase == "finished", run["state"].error
+    new = joined["pod"]
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[1]["pods"] == ["pod-0"] and records[1]["epoch"] == 1
+    # Step 2: admitted; it trains (healing first) but does not generate (its generator has no
+    # current weights until its trainer healed and synced it).
+    assert records[2]["pods"] == ["pod-0", "pod-1"] and records[2]["epoch"] == 2
+    assert set(records[2]["generated_by"]) == {"pod-0"}
+    assert new.trainer.applied[0].policy_version == 1  # sent the cluster's version, healed
+    assert new.generator.applied[0].version == 2 and not new.generator.applied[0].version_only
+    assert set(records[3]["generated_by"]) == {"pod-0", "pod-1"}
+    assert new.trainer.version == cluster.pods["pod-0"].trainer.version == 4
+    assert _digest(new.address).sha256 == _digest(cluster.pods["pod-0"].address).sha256
+    _check_every_prompt_once(run["samples"], 4)
+
+
+def test_a_pod_killed_mid_train_leaves_and_the_step_is_trained_once_by_the_rest(
+    cluster: Cluster,
+) -> None:
+    pods = [cluster.add("pod-0"), cluster.add("pod-1"), cluster.add("pod-2")]
+    victim = pods[1]
+
+    def kill_in_step_2(step: int) -> None:
+        if step == 1:
+            cluster.group.before_exchange.append(victim.kill)
+
+    run = cluster.run(on_step=kill_in_step_2)
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[1]["pods"] == ["pod-0", "pod-1", "pod-2"] and records[1]["epoch"] == 1
+    # Step 2: the killed pod's exchange broke every trainer's step (ABORTED, nothing changed);
+    # the batch was re-split over the two left and trained once.
+    assert records[2]["pods"] == ["pod-0", "pod-2"] and records[2]["epoch"] == 2
+    assert records[2]["train_sends"] == 2
+    for pod in (pods[0], pods[2]):
+        assert pod.trainer.version == STEPS and len(pod.trainer.applied) == STEPS
+    second = [pod.trainer.applied[1] for pod in (pods[0], pods[2])]
+    assert {r.pods for r in second} == {2}
+    assert sum(len(r.sequences) for r in second) == second[0].global_sequences
+    assert _digest(pods[0].address).sha256 == _digest(pods[2].address).sha256
+    _check_every_prompt_once(run["samples"], STEPS)
+    # Its samples of step 2 (generated before it died) were kept and trained by the others.
+    assert any(
+        row["pod"] == "pod-1" and row["trained"] for row in run["samples"] if row["step"] == 2
+    )
+    assert "pod-1" not in {row["pod"] for row in run["samples"] if row["step"] == 3}
+
+
+def test_a_pod_drained_mid_generate_keeps_its_samples_and_the_others_finish_its_share(
+    cluster: Cluster,
+) -> None:
+    pods = [cluster.add("pod-0"), cluster.add("pod-1")]
+    drained = pods[1]
+    generate_calls = {"n": 0}
+
+    def drain_on_second_generate() -> None:
+        generate_calls["n"] += 1
+        if generate_calls["n"] == 2:  # step 2: its Generate still answers (in-flight RPCs finish)
+            cluster.drain("pod-1")
+
+    drained.generator.on_generate = drain_on_second_generate
+    run = cluster.run()
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    # Its samples of step 2 are kept (generated by it, scored and trained by pod-0); it trains
+    # nothing from step 2 on.
+    assert records[2]["generated_by"] == {"pod-0": PROMPTS - PROMPTS // 2, "pod-1": PROMPTS // 2}
+    assert records[2]["pods"] == ["pod-0"] and records[2]["epoch"] == 2
+    assert len(drained.trainer.applied) == 1
+    kept = [r for r in run["samples"] if r["step"] == 2 and r["pod"] == "pod-1"]
+    assert kept and all(r["trained"] or r["reward"] is not None for r in kept)
+    _check_every_prompt_once(run["samples"], STEPS)
+    status = {p.id: p.state for p in run["roster"].status()}
+    assert status == {"pod-0": "training", "pod-1": "draining"}
+
+
+def test_a_pod_killed_mid_generate_has_its_prompts_generated_by_the_others(
+    cluster: Cluster,
+) -> None:
+    pods = [cluster.add("pod-0"), cluster.add("pod-1")]
+    victim = pods[0]
+    calls = {"n": 0}
+
+    def die_on_second_generate() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            victim.kill()  # the call in flight breaks; nothing of this call comes back
+
+    victim.generator.on_generate = die_on_second_generate
+    run = cluster.run()
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[2]["generated_by"] == {"pod-1": PROMPTS}
+    assert records[2]["pods"] == ["pod-1"]
+    _check_every_prompt_once(run["samples"], STEPS)
+    assert pods[1].trainer.version == STEPS
