@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -89,6 +90,6 @@ def follow_run(
     table.add_row("samples", str(config.run_dir / "samples.jsonl"))
     console.print(table)
     if status["phase"] == "failed":
-        console.print(f"[red]run failed: {status.get('error')}[/]")
+        console.print(f"[red]run failed: {escape(str(status.get('error')))}[/]")  # worker text
         return 1
     return 0

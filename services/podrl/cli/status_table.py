@@ -1,32 +1,38 @@
-"""Render the controller's /v1/status as rich tables."""
+"""Render the controller's /v1/status as rich tables.
+
+Text that comes from workers and tasks (worker ids, addresses, states, errors, the run name) is
+escaped: rich reads ``[...]`` in a cell as markup, and a stray ``[/]`` would even stop the
+command with a MarkupError.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
 def render_status(status: dict[str, Any], console: Console) -> None:
-    run = Table(title=f"podrl run {status['run_name']}", show_header=False)
+    run = Table(title=f"podrl run {escape(str(status['run_name']))}", show_header=False)
     run.add_column("field", style="bold")
     run.add_column("value")
-    run.add_row("phase", str(status["phase"]))
+    run.add_row("phase", escape(str(status["phase"])))
     run.add_row("ready", "yes" if status["ready"] else "no")
     total = status.get("steps_total")
     run.add_row("step", f"{status['step']} / {total}" if total else str(status["step"]))
     run.add_row("policy version", str(status["policy_version"]))
-    run.add_row("healthy pods", ", ".join(status["healthy_pods"]) or "-")
+    run.add_row("healthy pods", escape(", ".join(map(str, status["healthy_pods"]))) or "-")
     run.add_row("uptime", f"{status['uptime_seconds']:.0f} s")
     metrics = status.get("last_step_metrics", {})
     for name in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "logprob_diff_max"):
         if isinstance(metrics.get(name), int | float):
             run.add_row(name, f"{metrics[name]:.4g}")
     if status.get("error"):
-        run.add_row("error", f"[red]{status['error']}[/]")
+        run.add_row("error", f"[red]{escape(str(status['error']))}[/]")
     for phase, seconds in status.get("phase_seconds", {}).items():
-        run.add_row(f"last {phase}", f"{seconds:.2f} s")
+        run.add_row(f"last {escape(str(phase))}", f"{seconds:.2f} s")
     console.print(run)
 
     workers = Table(title="workers")
@@ -34,10 +40,7 @@ def render_status(status: dict[str, Any], console: Console) -> None:
         workers.add_column(column)
     for w in status["workers"]:
         workers.add_row(
-            w["worker_id"],
-            w["component"],
-            w["address"],
-            w["state"],
+            *(escape(str(w[key])) for key in ("worker_id", "component", "address", "state")),
             "[green]yes[/]" if w["healthy"] else "[red]no[/]",
             f"{w['seconds_since_heartbeat']:.1f} s ago",
         )
