@@ -108,14 +108,16 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., allocation_nbytes: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
-    __slots__ = ("name", "offset", "nbytes")
+    __slots__ = ("name", "offset", "nbytes", "segment_nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    segment_nbytes: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., segment_nbytes: _Optional[int] = ...) -> None: ...
 
 class TensorStorage(_message.Message):
     __slots__ = ("cuda_ipc", "shm")
@@ -152,15 +154,17 @@ class TensorShard(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., local_offset: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., mesh: _Optional[_Union[Mesh, _Mapping]] = ..., mesh_coordinate: _Optional[_Iterable[int]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., storage: _Optional[_Union[TensorStorage, _Mapping]] = ..., publisher_rank: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "model_fingerprint", "shards", "version_only", "publisher_id")
+    __slots__ = ("version", "model_fingerprint", "shards", "version_only", "publisher_id", "mac")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_ONLY_FIELD_NUMBER: _ClassVar[int]
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_fingerprint: str
     shards: _containers.RepeatedCompositeFieldContainer[TensorShard]
     version_only: bool
     publisher_id: str
-    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[TensorShard, _Mapping]]] = ..., version_only: _Optional[bool] = ..., publisher_id: _Optional[str] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[TensorShard, _Mapping]]] = ..., version_only: _Optional[bool] = ..., publisher_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
