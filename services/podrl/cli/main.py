@@ -1,4 +1,5 @@
-"""``podrl`` command line: ``up`` (local cluster), ``status``."""
+"""``podrl`` command line: ``up`` (local cluster), ``run``, ``scale``, ``status``, ``warm-start``,
+``make-tiny-model``, ``export``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from podrl.cli.local_cluster import ChildExitedError, LocalCluster
+from podrl.cli.long_work import add_export_parser
 from podrl.cli.probes import grpc_health
 from podrl.cli.run_progress import follow_run
 from podrl.cli.status_table import render_status
@@ -43,7 +45,12 @@ def _self_check(cluster: LocalCluster) -> bool:
     record("unknown service name", status == "NOT_FOUND", status)
     body = httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
     healthy = [w for w in body["workers"] if w["healthy"]]
-    record("controller /v1/status", body["ready"] and len(healthy) == 3, f"{len(healthy)} healthy")
+    expected = 3 * len(cluster.pods)  # a generator, a grader and a trainer per pod
+    record(
+        "controller /v1/status",
+        body["ready"] and len(healthy) == expected,
+        f"{len(healthy)} of {expected} healthy",
+    )
     metrics = httpx.get(f"{cluster.rest_url}/metrics", timeout=5).text
     families = list(text_string_to_metric_families(metrics))
     record("controller /metrics", bool(families), f"{len(families)} metric families")
@@ -64,15 +71,25 @@ def _run_cluster(
     config_path: str | None,
     startup_timeout: float,
     body: Callable[[LocalCluster, threading.Event], int],
+    pods: int | None = None,
 ) -> int:
     """Start the local cluster, wait for health, run ``body``; always stop every child."""
+    try:
+        cluster = LocalCluster(
+            config, config_path, pods, on_event=lambda m: console.print(f"podrl: {m}", markup=False)
+        )
+    except ValueError as err:
+        print(f"podrl: {err}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    cluster = LocalCluster(config, config_path)
     try:
         cluster.start()
-        console.print(f"starting controller, generator, grader, trainer (logs: {cluster.log_dir})")
+        console.print(
+            f"starting controller and {cluster.scaler.desired_replicas()} worker pod(s) "
+            f"(generator, grader, trainer each; logs: {cluster.log_dir})"
+        )
         if not cluster.wait_ready(startup_timeout, stop.is_set):
             return 0
         urls = Table(title="podrl is up", show_header=False)
@@ -107,11 +124,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.self_check:
             return 0 if _self_check(cluster) else 1
         while not stop.wait(0.5):
-            cluster.check_alive()
+            cluster.supervise()  # follows podrl scale / PUT /v1/workers/replicas
         console.print("stopping")
         return 0
 
-    return _run_cluster(config, args.config, args.startup_timeout, body)
+    return _run_cluster(config, args.config, args.startup_timeout, body, args.pods)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -126,7 +143,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     def body(cluster: LocalCluster, stop: threading.Event) -> int:
         return follow_run(cluster, config, stop, console)
 
-    return _run_cluster(config, args.config, args.startup_timeout, body)
+    return _run_cluster(config, args.config, args.startup_timeout, body, args.pods)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """``podrl scale --replicas N``: PUT /v1/workers/replicas on the controller."""
+    url = f"{args.url.rstrip('/')}/v1/workers/replicas"
+    try:
+        reply = httpx.put(url, json={"replicas": args.replicas}, timeout=args.timeout)
+    except httpx.HTTPError as err:
+        print(f"podrl scale: cannot reach {url}: {err}", file=sys.stderr)
+        return 1
+    if reply.status_code != 202:
+        try:
+            detail = reply.json().get("detail", reply.text)
+        except ValueError:
+            detail = reply.text
+        if isinstance(detail, list):  # FastAPI's validation errors: field and reason
+            detail = "; ".join(
+                f"{'.'.join(str(x) for x in e.get('loc', [])[1:])}: {e.get('msg')}" for e in detail
+            )
+        print(f"podrl scale: {reply.status_code}: {detail}", file=sys.stderr)
+        return 2 if reply.status_code == 422 else 1
+    body = reply.json()
+    console.print(
+        f"desired worker pods: {body['desired_replicas']} (at most {body['max_replicas']}); "
+        "new pods join at a step boundary, removed ones drain"
+    )
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -157,24 +201,14 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def cmd_warm_start(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from podrl.models.tiny import make_tiny_model  # torch: import late
-    from podrl.trainer.warm_start import warm_start
+    from podrl.cli.long_work import run_warm_start  # torch: import late
 
     config = _load(args, "warm-start")
     if config is None:
         return 2
     base = Path(args.base) if args.base else config.run_dir / "models" / "tiny"
-    if not (base / "config.json").is_file():
-        make_tiny_model(base)
     out = Path(args.out) if args.out else config.run_dir / "models" / "warm"
-    result = warm_start(config, base, out, steps=args.steps, lr=args.lr)
-    table = Table(title=f"supervised warm-start ({args.steps} steps on task targets)")
-    table.add_column("step")
-    table.add_column("loss")
-    for step in sorted({0, len(result.losses) // 2, len(result.losses) - 1}):
-        table.add_row(str(step + 1), f"{result.losses[step]:.3f}")
-    console.print(table)
-    console.print(f"warm-started model: {out}")
+    run_warm_start(config, base, out, args.steps, args.lr, console)
     return 0
 
 
@@ -188,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for health"
     )
     up.add_argument("--self-check", action="store_true", help="probe every service once, then stop")
+    up.add_argument(
+        "--pods",
+        type=int,
+        help="worker pods to start (default: controller.worker_pods, 1); podrl scale changes it",
+    )
     up.set_defaults(func=cmd_up)
 
     run = commands.add_parser(
@@ -197,7 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for health"
     )
+    run.add_argument(
+        "--pods",
+        type=int,
+        help="worker pods to start (default: controller.worker_pods, 1); podrl scale changes it",
+    )
     run.set_defaults(func=cmd_run)
+
+    scale = commands.add_parser(
+        "scale", help="set the number of worker pods of a run (local or in a cluster)"
+    )
+    scale.add_argument(
+        "--replicas", type=int, required=True, help="worker pods wanted (1..max_worker_pods)"
+    )
+    scale.add_argument(
+        "--url",
+        default=os.environ.get("PODRL_URL", "http://127.0.0.1:8080"),
+        help="controller REST URL (default: $PODRL_URL or http://127.0.0.1:8080)",
+    )
+    scale.add_argument("--timeout", type=float, default=10.0)
+    scale.set_defaults(func=cmd_scale)
 
     status = commands.add_parser("status", help="print a controller's run status")
     status.add_argument(
@@ -226,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden", type=int, default=128)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny_model)
+    add_export_parser(commands, console)
     return parser
 
 

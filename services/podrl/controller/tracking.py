@@ -21,6 +21,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from podrl.config import ConfigError, RunConfig
@@ -132,10 +133,16 @@ class Tracker:
         if self.tensorboard_dir is not None:
             with _torch_hidden():
                 from tensorboardX import SummaryWriter
+            # Event files are named by the second they were opened and read in name order: a
+            # counter keeps a restart within the same second from overwriting the earlier file,
+            # and keeps the files in the order they were written.
+            folder = Path(self.tensorboard_dir)
+            earlier = len(list(folder.glob("events.out.tfevents.*"))) if folder.is_dir() else 0
             self._tensorboard = SummaryWriter(
-                str(self.tensorboard_dir),
+                str(folder),
                 purge_step=resume_step + 1 if resume_step else None,
                 flush_secs=10,
+                filename_suffix=f".{earlier:04d}",
             )
         if self._wandb_module is not None:
             settings = config.tracking.wandb
@@ -174,4 +181,7 @@ class Tracker:
             self._tensorboard = None
         if self._wandb is not None:
             self._wandb.finish()
+            # finish() can return before wandb's service process has written the last rows;
+            # teardown waits for it, so the run file (offline) or upload is complete at exit.
+            self._wandb_module.teardown()
             self._wandb = None
