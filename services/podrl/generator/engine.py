@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from podrl.config.generator import GeneratorConfig
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
+from podrl.generator.vllm_compat import check_vllm_version, request_errors
 from podrl.generator.weight_state import (
     NEEDS_FULL_HINT,
     WeightApplyError,
@@ -150,6 +151,7 @@ class VllmEngine:
     def start(self) -> EngineFacts:
         """Load the engine (blocks; ~20-60 s for the tiny model on a 2-core CPU)."""
         started = time.perf_counter()
+        vllm_version = check_vllm_version()
         self._thread.start()
         self._engine = self._run(self._build(), self._config.engine_start_timeout_seconds)
         replies = self._run(
@@ -167,7 +169,10 @@ class VllmEngine:
             tensor_parallel_size=self._config.tensor_parallel_size,
             apply_mode=described["apply_mode"],
             start_seconds=time.perf_counter() - started,
-            extra={"repacked_parameters": str(len(described["repacked"]))},
+            extra={
+                "repacked_parameters": str(len(described["repacked"])),
+                "vllm_version": str(vllm_version),
+            },
         )
         log.info(
             "vLLM engine ready in %.1fs on %s (weights applied by %s)",
@@ -311,11 +316,9 @@ class VllmEngine:
                 final = output
             return final
 
-        from vllm.exceptions import VLLMClientError
-
         try:
             return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        except (ValueError, VLLMClientError) as err:  # vLLM's request validation
+        except request_errors() as err:  # vLLM's request validation
             raise InvalidRequestError(f"prompt: {err}") from None
 
     # ---- weights -------------------------------------------------------------------------
