@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
@@ -34,7 +35,7 @@ REPLICA_ENV = {
 }
 
 
-def _no_auth_env() -> dict[str, str]:
+def no_auth_env() -> dict[str, str]:
     """These tests are about replication, not authentication: run the services without it
     (where the run config has an auth section)."""
     from podrl.config import RunConfig
@@ -56,7 +57,12 @@ class Lighthouse:
     address: str
     log_path: Path
 
-    def stop(self) -> None:
+    def status(self) -> str:
+        """The Lighthouse's status page (quorum, heartbeating replica ids)."""
+        return httpx.get(f"http://{self.address}/status", timeout=10).text
+
+    def stop(self) -> int:
+        """SIGTERM; the exit code (killed after 10 s: -9)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -64,13 +70,14 @@ class Lighthouse:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        return self.process.returncode
 
 
 def start_lighthouse(tmp: Path) -> Lighthouse:
     """``python -m podrl.trainer.lighthouse`` on a free loopback port, once it listens."""
     port = free_port()
     log_path = tmp / "lighthouse.log"
-    env = {**os.environ, **LIGHTHOUSE_ENV, **_no_auth_env(), "PODRL_RUN_DIR": str(tmp)}
+    env = {**os.environ, **LIGHTHOUSE_ENV, **no_auth_env(), "PODRL_RUN_DIR": str(tmp)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "podrl.trainer.lighthouse", "--bind", f"127.0.0.1:{port}"],
@@ -139,7 +146,7 @@ def start_pods(
             "PODRL_TRAINER__METRICS_PORT": "0",
             "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),  # no controller: registration retries
             "OMP_NUM_THREADS": "1",
-            **_no_auth_env(),
+            **no_auth_env(),
             **REPLICA_ENV,
             **((extra_env or {}).get(name, {})),
         }

@@ -14,6 +14,9 @@ The GRPO tests share their processes and run in file order, one step each:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +27,7 @@ from tests.trainer.pods import (
     Pod,
     fault_plan,
     max_abs_diff,
+    no_auth_env,
     share,
     start_lighthouse,
     start_pods,
@@ -100,6 +104,17 @@ def test_two_pods_train_a_split_batch_as_one_pod(grpo):
         reference.stub.Train(share(make_request(11, SEQUENCES), range(3), "0/ref", 2), timeout=60)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "TrainRequest.pods: 2 pods" in refused.value.details()
+
+    # Pod b refuses its share (a version it does not hold): pod a steps neither.
+    batch = make_request(11, sequences=SEQUENCES, version=0)
+    wrong = share(batch, range(3, 8), "0/b", pods=2)
+    wrong.policy_version = 5
+    replies = _train_together({a: share(batch, range(0, 3), "0/a", pods=2), b: wrong})
+    assert replies["pod-b"].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "TrainRequest.policy_version" in replies["pod-b"].details()
+    assert replies["pod-a"].code() == grpc.StatusCode.ABORTED
+    assert "refused their share" in replies["pod-a"].details()
+    assert a.digest() == b.digest() and a.digest().policy_version == 0
 
     # Step 1: a part of the batch each.
     batch = make_request(11, sequences=SEQUENCES, version=0)
@@ -178,6 +193,8 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     c = start_pods(tiny_model, tmp, ["pod-c"], lighthouse=lighthouse.address)["pod-c"]
     everyone["pod-c"] = c  # the fixture stops it
     assert c.info().policy_version == 0
+    # Until its first Train a pod does not heartbeat: it cannot hold up the others' quorums.
+    assert "pod-c" not in lighthouse.status()
 
     # Pod c is sent a step for version 3: it heals from pod a before its version check.
     batch = make_request(14, sequences=SEQUENCES, version=3)
@@ -186,6 +203,7 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     assert "healed from a peer pod: version 0 -> 3" in c.log()
+    assert "pod-c" in lighthouse.status()
     alone = reference.stub.Train(batch, timeout=180)
     for reply in replies.values():
         assert reply.policy_version == 4
@@ -217,7 +235,7 @@ def dapo(tiny_model, tmp_path):
     yield pods, tmp_path
     for pod in pods.values():
         pod.kill()
-    lighthouse.stop()
+    assert lighthouse.stop() == 0  # SIGTERM stops it cleanly
 
 
 def test_two_pods_train_a_split_batch_as_one_pod_dapo(dapo):
@@ -233,3 +251,16 @@ def test_two_pods_train_a_split_batch_as_one_pod_dapo(dapo):
         _same_metrics(reply, alone)
     assert a.digest() == b.digest()
     assert max_abs_diff(a.parameters(tmp / "a"), reference.parameters(tmp / "ref")) <= TOLERANCE
+
+
+def test_a_lighthouse_on_a_taken_port_says_which(lighthouse):
+    done = subprocess.run(
+        [sys.executable, "-m", "podrl.trainer.lighthouse", "--bind", lighthouse.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **no_auth_env()},
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on {lighthouse.address}" in done.stderr
+    assert "--bind" in done.stderr

@@ -1,0 +1,60 @@
+"""A pod's share of a batch: its checks (``validate_share``) and the loss's denominators
+(``share_totals``), without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from podrl.trainer.batch import BatchError, BatchLimits
+from podrl.trainer.replication import share_totals, validate_share
+from tests.trainer.pods import share
+from tests.trainer.rank_worker import make_request
+
+LIMITS = BatchLimits(vocab_size=128, max_positions=64)
+
+
+def test_a_whole_batch_divides_by_its_own_counts_and_a_share_by_the_batch():
+    batch = make_request(1, sequences=6)
+    tokens = sum(len(s.completion_ids) for s in batch.sequences)
+    assert share_totals(batch) == (totals := share_totals(share(batch, range(6), "x", 1)))
+    assert (totals.num_sequences, totals.num_tokens) == (6, tokens)
+    part = share(batch, range(2), "x", 2)
+    assert (share_totals(part).num_sequences, share_totals(part).num_tokens) == (6, tokens)
+
+
+def test_shares_pass_on_a_replicated_trainer_an_empty_one_included():
+    batch = make_request(1, sequences=6)
+    validate_share(share(batch, range(2), "a", 2), 0, LIMITS, replicated=True)
+    validate_share(share(batch, [], "b", 2), 0, LIMITS, replicated=True)
+    with pytest.raises(BatchError, match="policy_version: the trainer holds version 3"):
+        validate_share(share(batch, [], "b", 2), 3, LIMITS, replicated=True)
+
+
+def test_a_trainer_without_replication_takes_only_whole_batches():
+    batch = make_request(1, sequences=6)
+    validate_share(batch, 0, LIMITS, replicated=False)
+    validate_share(share(batch, range(6), "x", 1), 0, LIMITS, replicated=False)
+    with pytest.raises(BatchError, match=r"^global_sequences: the batch has 6 sequences"):
+        validate_share(share(batch, range(2), "x", 1), 0, LIMITS, replicated=False)
+    with pytest.raises(BatchError, match=r"^pods: 2 pods train this step"):
+        validate_share(share(batch, range(6), "x", 2), 0, LIMITS, replicated=False)
+    empty = share(batch, [], "x", 1)
+    with pytest.raises(BatchError, match="global_sequences"):
+        validate_share(empty, 0, LIMITS, replicated=False)
+
+
+def test_inconsistent_totals_name_the_fields():
+    batch = make_request(1, sequences=6)
+    half = share(batch, range(3), "x", 2)
+    half.global_completion_tokens = 0
+    with pytest.raises(BatchError, match="set both"):
+        validate_share(half, 0, LIMITS, replicated=True)
+    more = share(batch, range(3), "x", 2)
+    more.global_sequences = 2
+    with pytest.raises(BatchError, match="more than the whole batch's 2"):
+        validate_share(more, 0, LIMITS, replicated=True)
+    # The per-sequence checks still run on a share.
+    bad = share(batch, range(3), "x", 2)
+    bad.sequences[0].advantage = float("nan")
+    with pytest.raises(BatchError, match=r"sequences\[0\].advantage"):
+        validate_share(bad, 0, LIMITS, replicated=True)
