@@ -40,11 +40,18 @@ SAMPLE_FIGURES = (
 )  # fmt: skip
 
 
-def train_figures(reply: trainer_pb2.TrainResponse | None) -> dict[str, float | None]:
-    """The trainer's metrics of a step, each None when ``reply`` is None (not known)."""
+def train_figures(
+    reply: trainer_pb2.TrainResponse | None, kl_measured: bool = True
+) -> dict[str, float | None]:
+    """The trainer's metrics of a step, each None when ``reply`` is None (not known).
+    ``kl_measured`` False (``trainer.kl_coef`` 0: no reference model): the reply's ``kl`` is
+    a 0.0 nothing computed, recorded as None."""
     if reply is None:
         return dict.fromkeys(TRAIN_METRICS)
-    return {name: getattr(reply.metrics, name) for name in TRAIN_METRICS}
+    figures = {name: getattr(reply.metrics, name) for name in TRAIN_METRICS}
+    if not kl_measured:
+        figures["kl"] = None
+    return figures
 
 
 def _mean(values: list[float]) -> float | None:
@@ -57,6 +64,8 @@ class StepRecorder:
         self.state = state
         self.store = store
         self.samples = SampleLog(config.run_dir)
+        # Without a reference model the trainer computes no KL and reports 0.0 for it.
+        self._kl_measured = config.trainer.kl_coef > 0
         self._started = time.monotonic()
         self.tracker = Tracker(config)  # a tracking package that is missing fails here
         evaluations = stored_evaluations(store)
@@ -135,7 +144,9 @@ class StepRecorder:
             figures["batch_ids"] = outcome.batch_ids
             figures["train_sends"] = outcome.sends
             figures["metrics_unknown"] = not outcome.metrics_known
-            figures.update(train_figures(outcome.reply if outcome.metrics_known else None))
+            figures.update(
+                train_figures(outcome.reply if outcome.metrics_known else None, self._kl_measured)
+            )
         record = StepRecord(step, version, position_after, figures, time.time())
         self.store.record_step(record)
         self._publish(record)
@@ -163,7 +174,7 @@ class StepRecorder:
             "metrics_unknown": True,
             "phase_seconds": {},
             **dict.fromkeys(SAMPLE_FIGURES),
-            **train_figures(recovered.train_reply),
+            **train_figures(recovered.train_reply, self._kl_measured),
         }
         record = StepRecord(
             recovered.step,
