@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from podrl.cli.eval_report import EvalProgress, eval_table, reward_curve_text
 from podrl.cli.local_cluster import LocalCluster
 from podrl.cli.reward_plot import plot_reward_curve
 from podrl.config import RunConfig
@@ -56,8 +57,9 @@ def follow_run(
     status: dict[str, Any] | None = None
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task(config.name, total=config.loop.steps, reward="-", phase="")
+        evals = EvalProgress(progress, config.loop)
         while not stop.wait(1.0):
-            cluster.check_alive()
+            cluster.supervise()  # follows podrl scale, restarts a dead pod process
             status = _status(cluster) or status
             if status is None:
                 continue
@@ -68,6 +70,7 @@ def follow_run(
                 reward="-" if reward is None else f"{reward:.3f}",
                 phase=status["phase"],
             )
+            evals.update(status)
             if status["phase"] in END_PHASES:
                 break
     if status is None or status["phase"] not in END_PHASES:
@@ -88,7 +91,13 @@ def follow_run(
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     table.add_row("reward curve", str(png))
     table.add_row("samples", str(config.run_dir / "samples.jsonl"))
+    export = summary.get("export") or {}
+    table.add_row("trained model", str(export.get("path") or export.get("error") or "-"))
+    table.add_row("tensorboard", str(summary.get("tensorboard_dir") or "-"))
     console.print(table)
+    if summary.get("evaluations"):
+        console.print(eval_table(summary["evaluations"]))
+    console.print(reward_curve_text(measured), markup=False)
     if status["phase"] == "failed":
         console.print(f"[red]run failed: {escape(str(status.get('error')))}[/]")  # worker text
         return 1

@@ -24,16 +24,37 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     run.add_row("step", f"{status['step']} / {total}" if total else str(status["step"]))
     run.add_row("policy version", str(status["policy_version"]))
     run.add_row("healthy pods", escape(", ".join(map(str, status["healthy_pods"]))) or "-")
+    desired = status.get("desired_replicas")
+    run.add_row("desired pods", "-" if desired is None else escape(str(desired)))
+    run.add_row("epoch", escape(str(status.get("epoch", 0))))
     run.add_row("uptime", f"{status['uptime_seconds']:.0f} s")
     metrics = status.get("last_step_metrics", {})
     for name in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "logprob_diff_max"):
         if isinstance(metrics.get(name), int | float):
             run.add_row(name, f"{metrics[name]:.4g}")
+    evaluation = status.get("last_eval")
+    if evaluation:
+        run.add_row("held-out eval", escape(describe_eval(evaluation)))  # may quote workers
     if status.get("error"):
         run.add_row("error", f"[red]{escape(str(status['error']))}[/]")
     for phase, seconds in status.get("phase_seconds", {}).items():
         run.add_row(f"last {escape(str(phase))}", f"{seconds:.2f} s")
     console.print(run)
+
+    if status.get("pods"):
+        pods = Table(title="pods")
+        for column in ("pod", "state", "policy version", "prompts", "train sequences"):
+            pods.add_column(column)
+        for pod in status["pods"]:  # worker-supplied text: escaped, never markup
+            version = pod.get("policy_version")
+            pods.add_row(
+                escape(str(pod["id"])),
+                escape(str(pod["state"])),
+                "-" if version is None else escape(str(version)),
+                escape(str(pod.get("share", 0))),
+                escape(str(pod.get("train_sequences", 0))),
+            )
+        console.print(pods)
 
     workers = Table(title="workers")
     for column in ("worker", "component", "address", "state", "healthy", "last heartbeat"):
@@ -45,3 +66,16 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             f"{w['seconds_since_heartbeat']:.1f} s ago",
         )
     console.print(workers)
+
+
+def describe_eval(evaluation: dict[str, Any]) -> str:
+    """One evaluation in a line: accuracy, mean reward, after which step (or its error)."""
+    where = f"after step {evaluation['step']}" if evaluation["step"] else "before the first step"
+    if evaluation.get("accuracy") is None:
+        return f"failed {where}: {evaluation.get('error') or 'no prompt was scored'}"
+    reward = evaluation.get("reward_mean")
+    return (
+        f"accuracy {evaluation['accuracy']:.3f}, mean reward "
+        f"{'-' if reward is None else f'{reward:.3f}'} on {evaluation['prompts']} prompts "
+        f"({where}, policy version {evaluation['policy_version']})"
+    )

@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 _SQLITE_INT_MAX = 2**63 - 1
 
 
+class ReplicasRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: StrictInt = Field(
+        ge=1, description="Worker pods wanted: 1 to controller.max_worker_pods."
+    )
+
+
 class ReplicasView(BaseModel):
     desired_replicas: int | None = Field(description="Worker pods asked for.")
     max_replicas: int = Field(description="The most that may be asked for (max_worker_pods).")
@@ -35,14 +42,6 @@ def build_rest_app(
 ) -> FastAPI:
     """``scaler`` sets the desired pod count (``PUT /v1/workers/replicas``), up to
     ``max_replicas`` (``controller.max_worker_pods``)."""
-
-    class ReplicasRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        replicas: StrictInt = Field(
-            ge=1,
-            le=max_replicas,
-            description=f"Worker pods wanted: 1 to {max_replicas} (controller.max_worker_pods).",
-        )
 
     app = FastAPI(
         title="podrl controller",
@@ -138,6 +137,19 @@ def build_rest_app(
         },
     )
     def put_replicas(body: ReplicasRequest) -> ReplicasView:
+        if body.replicas > max_replicas:  # the same 422 as the model's own checks
+            raise HTTPException(
+                422,
+                [
+                    {
+                        "type": "less_than_equal",
+                        "loc": ["body", "replicas"],
+                        "msg": f"Input should be less than or equal to {max_replicas} "
+                        "(controller.max_worker_pods)",
+                        "input": body.replicas,
+                    }
+                ],
+            )
         if scaler is None:
             raise HTTPException(501, "this controller has no scaler")
         try:

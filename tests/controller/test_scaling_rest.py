@@ -1,0 +1,192 @@
+"""One way to scale: ``PUT /v1/workers/replicas`` and ``podrl scale`` over real HTTP, locally
+(the controller's LocalScaler) and in a cluster (KubernetesScaler against the emulated API
+server, with the watch feeding the roster the desired count and the terminating pods)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import uvicorn
+from kubernetes import client
+
+from podrl.cli.main import main as podrl
+from podrl.common.processes import free_port
+from podrl.controller.kube_watch import KubeWatch
+from podrl.controller.membership import MemberRegistry
+from podrl.controller.rest import build_rest_app
+from podrl.controller.roster import PodRoster
+from podrl.controller.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
+from podrl.controller.status import RunState
+from podrl.v1 import controller_pb2
+from tests.controller.kube_api import ApiServer
+from tests.controller.test_kube_watch import (
+    NAMESPACE,
+    STATEFULSET,
+    WAIT_SECONDS,
+    create_pod,
+    create_statefulset,
+    watch_config,
+)
+
+MAX = 4
+
+
+def _register_pod(registry: MemberRegistry, pod: str) -> None:
+    for component in (1, 2, 3):
+        registry.register(pod, component, f"10.0.0.{len(pod)}:{5000 + component}", f"{pod}-1")
+
+
+Serve = Callable[[RunState, ReplicaScaler | None], str]
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    """The real REST app on a free port; its base URL."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(state: RunState, scaler: ReplicaScaler | None) -> str:
+        port = free_port()
+        app = build_rest_app(state, None, scaler, MAX)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                httpx.get(f"{url}/healthz", timeout=1)
+                return url
+            except httpx.HTTPError:
+                threading.Event().wait(0.05)
+        raise AssertionError("the REST app did not start")
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _state(registry: MemberRegistry, roster: PodRoster) -> RunState:
+    state = RunState("scale", registry, 1)
+    state.roster = roster
+    return state
+
+
+def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> None:
+    changes: list[int] = []
+    scaler = LocalScaler(1, on_change=changes.append)
+    registry = MemberRegistry(60)
+    _register_pod(registry, "local-0")
+    roster = PodRoster(registry, desired_replicas=scaler.desired_replicas)
+    url = serve(_state(registry, roster), scaler)
+    reply = httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 3}, timeout=5)
+    assert reply.status_code == 202
+    assert reply.json() == {"desired_replicas": 3, "max_replicas": MAX}
+    assert changes == [3]
+    assert httpx.get(f"{url}/v1/workers/replicas", timeout=5).json()["desired_replicas"] == 3
+    roster.admit()
+    status = httpx.get(f"{url}/v1/status", timeout=5).json()
+    assert status["desired_replicas"] == 3 and status["epoch"] == 1
+    assert status["pods"] == [
+        {"id": "local-0", "state": "training", "policy_version": 0, "share": 0,
+         "train_sequences": 0}
+    ]  # fmt: skip
+
+
+BAD_BODIES = [
+    {"replicas": 0}, {"replicas": MAX + 1}, {"replicas": True}, {"replicas": "2"},
+    {"replicas": 2.5}, {}, {"pods": 2},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", BAD_BODIES)
+def test_put_replicas_out_of_range_or_not_an_integer_is_a_422_naming_the_field(
+    serve: Serve, body: dict[str, object]
+) -> None:
+    scaler = LocalScaler(1)
+    url = serve(RunState("scale", MemberRegistry(60), 1), scaler)
+    reply = httpx.put(f"{url}/v1/workers/replicas", json=body, timeout=5)
+    assert reply.status_code == 422
+    locations = [tuple(error["loc"]) for error in reply.json()["detail"]]
+    assert ("body", "replicas") in locations or ("body", "pods") in locations
+    assert scaler.desired_replicas() == 1
+
+
+def test_podrl_scale_calls_the_controller(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
+    scaler = LocalScaler(1)
+    url = serve(RunState("scale", MemberRegistry(60), 1), scaler)
+    assert podrl(["scale", "--replicas", "2", "--url", url]) == 0
+    assert scaler.desired_replicas() == 2
+    assert podrl(["scale", "--replicas", str(MAX + 1), "--url", url]) == 2
+    assert f"replicas: Input should be less than or equal to {MAX}" in capsys.readouterr().err
+    assert scaler.desired_replicas() == 2
+
+
+def test_a_controller_without_a_scaler_says_so(serve: Serve) -> None:
+    url = serve(RunState("scale", MemberRegistry(60), 1), None)
+    assert httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 2}).status_code == 501
+
+
+@pytest.fixture
+def api_server() -> Iterator[ApiServer]:
+    with ApiServer() as api:
+        yield api
+
+
+def test_in_a_cluster_put_replicas_scales_the_statefulset_and_the_roster_follows_the_watch(
+    serve: Serve, api_server: ApiServer
+) -> None:
+    kube = client.ApiClient(api_server.configuration())
+    create_statefulset(kube, replicas=2, ready=2)
+    create_pod(kube, "podrl-worker-0")
+    create_pod(kube, "podrl-worker-1", finalizers=["podrl.test/hold"])
+    config = watch_config(api_server)
+    watch = KubeWatch(config)
+    watch.start()
+    scaler = KubernetesScaler(config)
+    try:
+        watch.wait_for(lambda v: v.synced and len(v.pods) == 2, WAIT_SECONDS)
+        registry = MemberRegistry(60)
+        for pod in ("podrl-worker-0", "podrl-worker-1"):
+            _register_pod(registry, pod)
+        roster = PodRoster(
+            registry,
+            desired_replicas=lambda: watch.view().desired_replicas,
+            terminating=lambda: watch.view().terminating,
+        )
+        assert [pod.id for pod in roster.admit()] == ["podrl-worker-0", "podrl-worker-1"]
+        url = serve(_state(registry, roster), scaler)
+        reply = httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 1}, timeout=10)
+        assert reply.status_code == 202
+        apps = client.AppsV1Api(kube)
+        assert apps.read_namespaced_stateful_set(STATEFULSET, NAMESPACE).spec.replicas == 1
+        watch.wait_for(lambda v: v.desired_replicas == 1, WAIT_SECONDS)
+        assert httpx.get(f"{url}/v1/status", timeout=5).json()["desired_replicas"] == 1
+        # The StatefulSet controller deletes the highest ordinal: the watch sees its deletion
+        # timestamp before its services drain, and the next step boundary leaves it out.
+        client.CoreV1Api(kube).delete_namespaced_pod("podrl-worker-1", NAMESPACE)
+        watch.wait_for(lambda v: "podrl-worker-1" in v.terminating, WAIT_SECONDS)
+        assert registry.complete_pods().keys() == {"podrl-worker-0", "podrl-worker-1"}
+        assert [pod.id for pod in roster.admit()] == ["podrl-worker-0"]
+        assert roster.epoch == 2
+        states = {p.id: p.state for p in roster.status()}
+        assert states == {"podrl-worker-0": "training", "podrl-worker-1": "draining"}
+    finally:
+        watch.stop()
+        scaler.close()
+        kube.close()
+
+
+def test_a_drained_member_leaves_the_next_admission() -> None:
+    registry = MemberRegistry(60)
+    for pod in ("local-0", "local-1"):
+        _register_pod(registry, pod)
+    roster = PodRoster(registry)
+    assert len(roster.admit()) == 2
+    registry.drain("local-1", controller_pb2.COMPONENT_TRAINER, "local-1-1")
+    assert [pod.id for pod in roster.admit()] == ["local-0"]
+    assert roster.epoch == 2
+    assert roster.admit() and roster.epoch == 2  # the same set: the same epoch
