@@ -16,6 +16,12 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that was free a moment ago (another process may take it before it is
+    bound again; :func:`free_ports` for several distinct ones)."""
+    return free_ports(1, host)[0]
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports that were free a moment ago (all held open while choosing)."""
     with ExitStack() as stack:
