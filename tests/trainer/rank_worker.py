@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+from podrl.common.processes import free_port
 from podrl.v1 import trainer_pb2
 
 
@@ -158,12 +158,6 @@ def scenario(
         rank_output(out, rank).write_text(json.dumps(results))
     finally:
         engine.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(world: int, env: dict[str, str], plan: list[list], out: Path) -> list:
