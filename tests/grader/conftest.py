@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from podrl.common.processes import free_port
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
 from podrl.grader.main import build_spec
 from tests.foundation.run_secret import authed_channel
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def grader_config(tasks: list[dict[str, Any]], **grader: Any) -> RunConfig:
