@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,13 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from podrl.common.processes import free_port
 from podrl.v1 import weights_pb2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class GlooTrainer:
