@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+from podrl.common.processes import free_port
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
@@ -24,12 +24,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -55,7 +49,7 @@ def served_run(tmp_path: Path) -> Iterator[str]:
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, metrics["phase_seconds"], metrics)
     state.set_phase("generate")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
     )
