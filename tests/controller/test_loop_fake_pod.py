@@ -8,7 +8,6 @@ records, samples.jsonl, summary.json, and what the fake trainer was asked to tra
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from podrl.common.processes import free_port
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
 from podrl.controller.clients import WorkerClients
@@ -36,12 +36,6 @@ DEADLINE = 3.0  # every work RPC; the grader scores a step well within it
 REWARD = "tests.grader.faulty_rewards:behaves_by_completion"  # "RAISE" raises, else exact match
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
     return RunConfig.model_validate(
         {
@@ -49,7 +43,7 @@ def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
             "run_dir": str(run_dir),
             "worker_id": "pod-0",
             # Nothing listens there: the grader's registration retries quietly.
-            "controller": {"grpc_port": _free_port()},
+            "controller": {"grpc_port": free_port()},
             "grader": {"grpc_port": grader_port, "metrics_port": 0, "workers": 1},
             "grpc": {"long_call_timeout_seconds": DEADLINE},
             "tasks": {
@@ -75,7 +69,7 @@ def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def grader_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     config = _config(tmp_path_factory.mktemp("grader"), port)
     process = ServiceProcess(build_grader(config), config)
     process.start()
