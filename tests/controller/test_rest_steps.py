@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,18 +11,13 @@ import pytest
 import uvicorn
 
 from podrl.cli.run_progress import fetch_all_steps
+from podrl.common.processes import free_port
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
 
 STEPS = 10_005
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +27,7 @@ def rest_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         reward = None if step == 7 else step / STEPS  # step 7: recovered, reward unknown
         store.record_step(StepRecord(step, step, {}, {"reward_mean": reward}, float(step)))
     state = RunState("rest", MemberRegistry(60), 1, STEPS)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
     )
