@@ -13,29 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
-from podrl.common.processes import die_with_parent
+from podrl.common.processes import die_with_parent, free_port
 from podrl.config import RunConfig
 
 log = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def launch_ranks(config: RunConfig, argv: Sequence[str]) -> int:
     """Start ``config.trainer.world_size`` ranks on this host and supervise them."""
     world = config.trainer.world_size
     host = "127.0.0.1"
-    port = config.trainer.master_port or _free_port(host)
+    port = config.trainer.master_port or free_port(host)
     base = {
         **os.environ,
         "WORLD_SIZE": str(world),
