@@ -18,7 +18,10 @@ Batches (``--batches``): ``padded`` = ``--batch`` sequences of exactly ``--promp
 length mix (prompts uniform in [128, 512] tokens, completions log-normal around 400 tokens,
 clipped to [32, 1536]; fixed seed), padded per micro-batch by the baseline and packed by podrl.
 For ``mixed`` the podrl row also carries the same step with packing off
-(``unpacked_tokens_per_s``, ``packing_speedup``).
+(``unpacked_tokens_per_s``, ``packing_speedup``). Micro-batches: the baseline's hold
+``--micro-batch`` sequences; podrl's (packing on or off) at most ``--micro-tokens`` computed
+tokens (``trainer.micro_batch_tokens``), the 16,384 tokens a padded micro-batch of 8 x 2,048
+holds.
 
 tokens/s counts real tokens (prompt + completion, never padding) per second of the median step
 after ``--warmup`` steps. MFU follows issue 17: FLOPs/token = 6·N + 12·L·H·Q·T with N = every
@@ -161,7 +164,9 @@ def write_random_model(shape: str, out: Path) -> None:
 
 
 class PodrlStep:
-    def __init__(self, model_dir: str, micro_batch: int, overrides: dict[str, str]) -> None:
+    def __init__(
+        self, model_dir: str, micro_batch: int, micro_tokens: int, overrides: dict[str, str]
+    ) -> None:
         from podrl.config import load_config
         from podrl.trainer.engine import TrainerEngine
 
@@ -171,6 +176,7 @@ class PodrlStep:
             "PODRL_TRAINER__MODEL_PATH": model_dir,
             "PODRL_TRAINER__MICRO_BATCH_SIZE": str(micro_batch),
             "PODRL_TRAINER__LR": "1e-6",
+            **({"PODRL_TRAINER__MICRO_BATCH_TOKENS": str(micro_tokens)} if micro_tokens else {}),
             **{f"PODRL_TRAINER__{k.upper()}": v for k, v in overrides.items()},
         }
         self.engine = TrainerEngine(load_config(None, env))
@@ -289,7 +295,16 @@ def profile_summary(prof, step_seconds: float, vocab: int) -> str:
     from torch.autograd import DeviceType
 
     events = list(prof.events())
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # Kernels only: not the GPU-side ranges of compiled graphs or record_function annotations.
+    kernels = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith("## ")
+        and "#" not in e.name
+        and e.name != "Command Buffer Full"
+    ]
     by_class: dict[str, float] = {}
     intervals = []
     for e in kernels:
@@ -400,7 +415,10 @@ def worker(spec: dict) -> None:
             if spec["family"] == "baseline":
                 step = BaselineStep(spec["model_dir"], args.micro_batch)
             else:
-                step = PodrlStep(spec["model_dir"], args.micro_batch, overrides)
+                # The old engine (--before) has no token budget: it gets the baseline's split.
+                tokens = args.micro_tokens if spec["family"] == "podrl" else 0
+                size = args.podrl_micro_batch if spec["family"] == "podrl" else args.micro_batch
+                step = PodrlStep(spec["model_dir"], size, tokens, overrides)
             result.update(run_variant(step, lengths, args, variant.get("profile", False)))
             try:
                 from torch._dynamo.utils import counters
@@ -544,7 +562,11 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=1536)
     parser.add_argument("--mixed-batch", type=int, default=16, help="sequences of the mix")
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8, help="baseline: sequences")
+    parser.add_argument(
+        "--micro-tokens", type=int, default=16384, help="podrl: computed tokens per micro-batch"
+    )
+    parser.add_argument("--podrl-micro-batch", type=int, default=64, help="podrl: sequences")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps (median)")
     parser.add_argument("--variants", default="podrl,baseline")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from podrl.algorithms.losses import LossSettings, policy_loss
 from podrl.config import ConfigError, load_config
-from podrl.trainer.batch import batch_totals, collate
+from podrl.trainer.batch import batch_totals, collate, split_for_rank
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.logprobs import HeadRequest, install_logprob_head, request_logprobs
 from podrl.trainer.packing import ATTENTION_NAME
@@ -139,3 +139,42 @@ def test_packing_with_eager_attention_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.packing needs .*set packing: false"):
         load_config(None, env)
     load_config(None, {**env, "PODRL_TRAINER__PACKING": "false"})
+
+
+def _sequences(lengths: list[int]) -> list:
+    request = make_request(seed=0, sequences=len(lengths))
+    for seq, n in zip(request.sequences, lengths, strict=True):
+        seq.prompt_ids[:] = [5] * (n // 2)
+        seq.completion_ids[:] = [6] * (n - n // 2)
+        seq.generator_logprobs[:] = [-1.0] * (n - n // 2)
+    return list(request.sequences)
+
+
+def test_equal_lengths_stay_rows_without_padding():
+    batch = collate(_sequences([6, 6, 6]), PAD, packed=True)
+    assert batch.input_ids.shape == (3, 6)
+    assert batch.cu_seqlens is None and batch.position_ids is None
+
+
+def _lengths(parts: list[list]) -> list[list[int]]:
+    return [[len(s.prompt_ids) + len(s.completion_ids) for s in part] for part in parts]
+
+
+def test_token_budget_cuts_micro_batches_and_ranks_agree_on_their_count():
+    sequences = _sequences([10, 10, 10, 30, 5, 5, 40, 10])
+    # Packed: the sum of lengths per micro-batch stays within 32; a longer one goes alone.
+    packed = split_for_rank(
+        sequences, 0, 1, micro_batch_size=64, micro_batch_tokens=32, packed=True
+    )
+    assert _lengths(packed) == [[10, 10, 10], [30], [5, 5], [40], [10]]
+    # Rows: rows x the longest stays within 32.
+    rows = split_for_rank(sequences, 0, 1, micro_batch_size=64, micro_batch_tokens=32, packed=False)
+    assert _lengths(rows) == [[10, 10, 10], [30], [5, 5], [40], [10]]
+    rows = split_for_rank(_sequences([4, 12, 4]), 0, 1, 64, micro_batch_tokens=24, packed=False)
+    assert _lengths(rows) == [[4, 12], [4]]  # 3 rows x 12 would be 36
+    # Two DP ranks: rank 0 holds the first four (2 micro-batches), rank 1 the last four (3);
+    # rank 0 gets an empty fourth micro-batch so the FSDP collectives line up.
+    rank0 = split_for_rank(sequences, 0, 2, micro_batch_size=64, micro_batch_tokens=32, packed=True)
+    rank1 = split_for_rank(sequences, 1, 2, micro_batch_size=64, micro_batch_tokens=32, packed=True)
+    assert _lengths(rank0) == [[10, 10, 10], [30], []]
+    assert _lengths(rank1) == [[5, 5], [40], [10]]

@@ -149,14 +149,22 @@ class TrainerConfig(ServiceSection):
     packing: bool = Field(
         True,
         description="Pack each micro-batch's sequences into one row (positions restart per "
-        "sequence, attention stays inside each) so padding is never computed; false = "
-        "right-padded rows. Needs attn_implementation sdpa.",
+        "sequence, attention stays inside each) so padding is never computed; a micro-batch "
+        "of equal lengths stays rows (no padding there, faster kernels); false = right-padded "
+        "rows. Needs attn_implementation sdpa.",
     )
     fused_logprobs: bool = Field(
         True,
         description="Compute the sampled tokens' logprobs with podrl's chunked vocabulary "
         "projection + log-softmax (no full-vocabulary fp32 logits, prompt positions skipped); "
         "false = the model's full logits and a plain fp32 log_softmax.",
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Also cap each micro-batch at this many computed tokens (packed: the sum "
+        "of the lengths; rows: rows x the longest); unset = micro_batch_size alone decides. "
+        "With packing, a budget instead of a sequence count keeps micro-batches full.",
     )
     logprob_chunk_tokens: int = Field(
         4096,

@@ -142,6 +142,7 @@ def collate(
     attention_mask: bool = True,
 ) -> MicroBatch:
     """Tensors of ``sequences``, packed into one row or right-padded (see :class:`MicroBatch`);
+    ``packed`` applies only when the lengths differ (equal lengths stay rows: no padding).
     ``attention_mask=False`` leaves the padding mask out (attention that is causal by itself).
     An empty list gives one all-masked dummy row (a rank with no data still runs
     forward/backward so FSDP's collectives line up)."""
@@ -164,6 +165,9 @@ def collate(
         )
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in sequences]
     length, rows, total = max(lengths), len(sequences), sum(lengths)
+    # Sequences of one length have no padding as rows, and rows run the faster fixed-length
+    # attention kernels (on an H200, cuDNN's instead of flash varlen's).
+    packed = packed and len(set(lengths)) > 1
     if packed:
         input_ids = torch.empty((1, total), dtype=torch.long)
         position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
@@ -218,15 +222,55 @@ def collate(
     )
 
 
+def _micro_batches(
+    sequences: Sequence[trainer_pb2.TrainSequence],
+    max_sequences: int,
+    max_tokens: int | None,
+    packed: bool,
+) -> list[list[trainer_pb2.TrainSequence]]:
+    """Cut ``sequences`` in order into micro-batches of at most ``max_sequences`` sequences and,
+    if set, at most ``max_tokens`` computed tokens (packed: the sum of the lengths; rows: rows x
+    the longest). A sequence longer than ``max_tokens`` gets a micro-batch of its own."""
+    parts: list[list[trainer_pb2.TrainSequence]] = []
+    current: list[trainer_pb2.TrainSequence] = []
+    total = longest = 0
+    for seq in sequences:
+        length = len(seq.prompt_ids) + len(seq.completion_ids)
+        new_total, new_longest = total + length, max(longest, length)
+        cost = new_total if packed else (len(current) + 1) * new_longest
+        full = len(current) == max_sequences or (max_tokens is not None and cost > max_tokens)
+        if current and full:
+            parts.append(current)
+            current, new_total, new_longest = [], length, length
+        current.append(seq)
+        total, longest = new_total, new_longest
+    if current:
+        parts.append(current)
+    return parts
+
+
 def split_for_rank(
     sequences: Sequence[trainer_pb2.TrainSequence],
     dp_rank: int,
     dp_size: int,
     micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[list[trainer_pb2.TrainSequence]]:
-    """This data-parallel rank's micro-batches. Every rank gets the same number of micro-batches
-    (some possibly empty) because each forward/backward is a collective under FSDP."""
+    """This data-parallel rank's micro-batches (see :func:`_micro_batches` for the limits).
+    Every rank gets the same number of micro-batches (some possibly empty) because each
+    forward/backward is a collective under FSDP: each rank cuts every rank's share (they all
+    hold the whole request) and pads its own list to the longest."""
     per_rank = math.ceil(len(sequences) / dp_size)
-    mine = list(sequences[dp_rank * per_rank : (dp_rank + 1) * per_rank])
-    count = max(1, math.ceil(per_rank / micro_batch_size))
-    return [mine[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
+    plans = [
+        _micro_batches(
+            sequences[rank * per_rank : (rank + 1) * per_rank],
+            micro_batch_size,
+            micro_batch_tokens,
+            packed,
+        )
+        for rank in range(dp_size)
+    ]
+    count = max(1, *(len(plan) for plan in plans))
+    mine = plans[dp_rank]
+    return mine + [[] for _ in range(count - len(mine))]
