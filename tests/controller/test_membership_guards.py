@@ -14,7 +14,7 @@ from podrl.common.processes import free_ports
 from podrl.common.service import ServiceProcess, ServiceSpec
 from podrl.config import RunConfig
 from podrl.config.transport import GrpcConfig
-from podrl.controller.membership import MemberRegistry
+from podrl.controller.membership import MemberRegistry, RegistryFullError
 from podrl.controller.servicer import ControllerServicer
 from podrl.controller.status import RunState
 from podrl.v1 import controller_pb2, controller_pb2_grpc
@@ -217,3 +217,26 @@ def test_a_heartbeat_with_an_unknown_state_is_refused(controller: Controller) ->
     )
     _refused(lambda: stub.Heartbeat(request, timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "state")
     assert controller.registry.members()[0].state == "serving"
+
+
+@pytest.mark.parametrize(("timeout", "expiry"), [(10.0, 60.0), (1.0, 60.0), (20.0, 120.0)])
+def test_by_default_members_expire_after_six_heartbeat_timeouts_at_least_a_minute(
+    timeout: float, expiry: float
+) -> None:
+    clock = Clock()
+    registry = MemberRegistry(heartbeat_timeout_seconds=timeout, clock=clock)
+    registry.register("pod-0", TRAINER, "127.0.0.1:1", "i")
+    clock.now += expiry - 0.5
+    assert [m.worker_id for m in registry.members()] == ["pod-0"]
+    clock.now += 1.0
+    assert registry.members() == []
+
+
+def test_by_default_the_registry_holds_3072_processes() -> None:
+    registry = MemberRegistry(heartbeat_timeout_seconds=10)
+    for n in range(1024):
+        for component in (1, 2, 3):
+            registry.register(f"pod-{n}", component, "127.0.0.1:1", "i")
+    with pytest.raises(RegistryFullError):
+        registry.register("pod-1024", TRAINER, "127.0.0.1:1", "i")
+    assert len(registry.members()) == 3072

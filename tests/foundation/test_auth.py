@@ -152,6 +152,38 @@ def test_a_caller_without_the_run_secret_changes_nothing(
     channel.close()
 
 
+def test_a_refused_request_is_not_parsed_and_is_counted(stack: Stack) -> None:
+    """Bytes that are no RegisterRequest at all: without credentials the answer is still
+    UNAUTHENTICATED (never a parse error), and the refusal is in the server's RPC counter."""
+    from prometheus_client import REGISTRY
+
+    labels = {
+        "grpc_service": "podrl.v1.Controller",
+        "grpc_method": "Register",
+        "grpc_code": "UNAUTHENTICATED",
+    }
+    before = REGISTRY.get_sample_value("podrl_grpc_server_handled_total", labels) or 0
+    with stack.channel(None) as channel:
+        raw = channel.unary_unary("/podrl.v1.Controller/Register")  # no serializers: bytes
+        assert _code(lambda: raw(b"\xff\xff\xff not protobuf", timeout=5)) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+    after = REGISTRY.get_sample_value("podrl_grpc_server_handled_total", labels)
+    assert after == before + 1
+
+
+def test_a_claim_given_twice_is_refused(stack: Stack) -> None:
+    """Two podrl-mac entries (one of them valid) are refused: the server never has to choose."""
+    valid = credentials("trainer", POD).metadata()
+    with stack.channel(None) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        doubled = (*valid, ("podrl-mac", "0" * 64))
+        call = lambda: stub.Register(_register(), metadata=doubled, timeout=5)  # noqa: E731
+        assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
+        ok = lambda: stub.Register(_register(), metadata=valid, timeout=5)  # noqa: E731
+        assert _code(ok) == grpc.StatusCode.OK  # the same claim once is accepted
+
+
 def test_health_and_reflection_need_no_credentials(stack: Stack) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -269,6 +301,14 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None
     assert load_run_secret(AuthConfig(disabled=True), {}) is None
 
 
+def test_with_auth_disabled_a_given_secret_is_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="podrl.common.auth"):
+        assert load_run_secret(AuthConfig(disabled=True), {"PODRL_RUN_SECRET": "x" * 64}) is None
+    assert "auth.disabled is true" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("env", "must_name"),
     [
@@ -295,7 +335,7 @@ def test_a_bad_secret_is_refused_naming_the_variable(
 
 def test_a_service_without_a_readable_secret_exits_2_before_it_starts(tmp_path: Path) -> None:
     """A missing or unreadable secret file stops the service at start, exit 2, naming the
-    variable; nothing listens on its port."""
+    variable, without a traceback."""
     port, controller_port = free_ports(2)
     base = {k: v for k, v in os.environ.items() if not k.startswith("PODRL_RUN_SECRET")}
     base.update(
