@@ -367,3 +367,21 @@ def test_with_auth_disabled_nothing_is_checked() -> None:
         assert [m.worker_id for m in running.registry.members()] == [POD]
     finally:
         running.process.shutdown("test finished")
+
+
+def test_a_worker_id_the_controller_would_refuse_stops_the_service_at_start() -> None:
+    """Every registration under it would be refused (INVALID_ARGUMENT) for as long as the
+    service ran; it stops at once instead, naming the variable."""
+    port, controller_port = free_ports(2)
+    env = {
+        **os.environ,
+        "PODRL_WORKER_ID": "pod 0/<x>",
+        "PODRL_GRADER__GRPC_PORT": str(port),
+        "PODRL_GRADER__METRICS_PORT": "0",
+        "PODRL_CONTROLLER__GRPC_PORT": str(controller_port),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "podrl.grader"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "worker_id (PODRL_WORKER_ID)" in done.stderr and "letters, digits" in done.stderr

@@ -30,7 +30,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 import podrl
-from podrl.common.auth import AuthServerInterceptor, CallerCredentials, load_run_secret
+from podrl.common.auth import (
+    AuthServerInterceptor,
+    CallerCredentials,
+    load_run_secret,
+    worker_id_problem,
+)
 from podrl.common.grpc_options import server_options
 from podrl.common.logs import setup_logging
 from podrl.common.membership import MembershipClient
@@ -284,6 +289,9 @@ def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        problem = worker_id_problem(config.worker_id)
+        if problem:  # the controller would refuse every registration under it
+            raise ConfigError(f"worker_id (PODRL_WORKER_ID) {problem}")
         load_run_secret(config.auth, os.environ)
         return config
     except ConfigError as err:
