@@ -28,13 +28,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m podrl.tools.helm_binary
 	touch $(STAMP)
 
-# The main job: a fresh run of examples/demo.yaml. First a short supervised warm-start that
-# teaches the tiny model the answer format (its loss is printed on its own), then GRPO; the run
-# ends with a summary table and runs/demo/reward_curve.png (docs/demo.md).
+# The main job: a fresh run of examples/demo.yaml. First a short supervised warm-start on the
+# task's warm-start prompts (it teaches the answer format; its loss is printed on its own), then
+# GRPO on the task's RL prompts, with a greedy evaluation on held-out prompts before, during and
+# after; the run ends with the before/after table, the reward curve and the trained model in
+# runs/demo/export (docs/demo.md).
 DEMO_CONFIG ?= examples/demo.yaml
+WARM_START_STEPS ?= 30
 demo: setup
 	rm -rf runs/demo
-	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps 30
+	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps $(WARM_START_STEPS)
 	$(BIN)/podrl run $(DEMO_CONFIG)
 
 test: lint

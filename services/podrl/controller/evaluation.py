@@ -1,6 +1,6 @@
 """Held-out evaluation: how well the policy answers prompts it never trains on.
 
-``loop.eval_prompts`` prompts are drawn once, at start, from the tasks' evaluation parts
+``loop.eval_prompts`` distinct prompts are drawn once, at start, from the tasks' evaluation parts
 (``tasks.definitions[i].split.eval``, or a task's ``eval_source``; ``podrl.tasks.split``), so
 every evaluation asks the same questions and the RL stream (the training parts) never holds one
 of them. The training source is not touched: a run with evaluation draws exactly the training
@@ -39,8 +39,9 @@ from typing import Any
 from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
-from podrl.config import RunConfig
+from podrl.config import ConfigError, RunConfig
 from podrl.config.loop import SamplingConfig
+from podrl.config.tasks import TasksConfig
 from podrl.controller.batch import StepSamples, is_valid
 from podrl.controller.run_outputs import SampleLog
 from podrl.controller.run_store import RunStore
@@ -141,6 +142,27 @@ def score_evaluation(data: StepSamples, thresholds: dict[str, float]) -> dict[st
     }
 
 
+def distinct_prompts(tasks: TasksConfig, count: int) -> list[PromptItem]:
+    """The first ``count`` distinct prompts (by text) of the evaluation stream: a procedural
+    source draws with repeats, and a prompt asked twice would count twice. ConfigError naming
+    ``loop.eval_prompts`` when the evaluation parts hold fewer."""
+    source = build_task_source(tasks, part="eval")
+    items: dict[tuple[str, str], PromptItem] = {}
+    draws = 0
+    while len(items) < count and draws < 100 * count:
+        for item in source.next_prompts(count):
+            if len(items) < count:
+                items.setdefault((item.task, item.prompt), item)
+        draws += count
+    if len(items) < count:
+        raise ConfigError(
+            f"loop.eval_prompts: {count} evaluation prompts asked, but the tasks' evaluation "
+            f"parts gave only {len(items)} distinct ones in {draws} draws; lower "
+            "loop.eval_prompts or raise tasks.definitions[i].split.eval"
+        )
+    return list(items.values())
+
+
 #: Runs the generate and score phases of one evaluation attempt over ``data`` with the given
 #: sampling (the loop supplies it: it knows the pods, and aligns the generators first).
 RunPhases = Callable[[StepSamples, SamplingConfig], None]
@@ -159,9 +181,7 @@ class Evaluator:
         # Drawn once: every evaluation asks the same questions. Its own source object, so the
         # training stream's position never moves.
         self.items: list[PromptItem] = (
-            build_task_source(config.tasks, part="eval").next_prompts(loop.eval_prompts)
-            if self.enabled
-            else []
+            distinct_prompts(config.tasks, loop.eval_prompts) if self.enabled else []
         )
         self.samples = SampleLog(config.run_dir, "eval_samples.jsonl")
 
