@@ -129,10 +129,12 @@ def start_pods(
     lighthouse: str | None,
     extra_env: dict[str, dict[str, str]] | None = None,
     timeout: float = 240,
+    dp_shard: int = 1,
     **trainer: object,
 ) -> dict[str, Pod]:
-    """Start one trainer service per name (its worker id), all at once; return them SERVING.
-    ``lighthouse`` None = no cross-pod replication (today's single-pod trainer)."""
+    """Start one trainer service per name (its worker id), all at once, each of ``dp_shard``
+    FSDP2 gloo ranks; return them SERVING. ``lighthouse`` None = no cross-pod replication
+    (today's single-pod trainer)."""
     started: dict[str, Pod] = {}
     for name in names:
         port = free_port()
@@ -140,7 +142,7 @@ def start_pods(
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
-            **config_env(str(model_dir), str(run_dir), dp_shard=1, **trainer),
+            **config_env(str(model_dir), str(run_dir), dp_shard=dp_shard, **trainer),
             "PODRL_WORKER_ID": name,
             "PODRL_TRAINER__GRPC_PORT": str(port),
             "PODRL_TRAINER__METRICS_PORT": "0",

@@ -264,3 +264,51 @@ def test_a_lighthouse_on_a_taken_port_says_which(lighthouse):
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on {lighthouse.address}" in done.stderr
     assert "--bind" in done.stderr
+
+
+def test_pods_of_two_ranks_train_and_heal_rank_by_rank(tiny_model, tmp_path):
+    """Each pod 2 FSDP2 ranks: rank r of a pod exchanges with, and heals from, rank r of the
+    others; the result equals a 2-rank pod alone."""
+    lighthouse = start_lighthouse(tmp_path)
+    pods: dict[str, Pod] = {}
+    try:
+        pods.update(
+            start_pods(
+                tiny_model,
+                tmp_path,
+                ["wide-reference", "wide-a"],
+                lighthouse=None,
+                dp_shard=2,
+                extra_env={
+                    "wide-a": {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address}
+                },
+            )
+        )
+        reference, a = pods["wide-reference"], pods["wide-a"]
+        batch = make_request(31, sequences=SEQUENCES, version=0)
+        _same_metrics(
+            a.stub.Train(share(batch, range(SEQUENCES), "1/a", 1), timeout=180),
+            reference.stub.Train(batch, timeout=180),
+        )
+        pods.update(
+            start_pods(tiny_model, tmp_path, ["wide-b"], lighthouse=lighthouse.address, dp_shard=2)
+        )
+        b = pods["wide-b"]
+        batch = make_request(32, sequences=SEQUENCES, version=1)
+        replies = _train_together(
+            {a: share(batch, range(0, 3), "2/a", 2), b: share(batch, range(3, 8), "2/b", 2)}
+        )
+        assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+        assert "healed from a peer pod: version 0 -> 1" in b.log()
+        alone = reference.stub.Train(batch, timeout=180)
+        for reply in replies.values():
+            assert reply.policy_version == 2
+            _same_metrics(reply, alone)
+        assert a.digest() == b.digest()
+        assert max_abs_diff(b.parameters(tmp_path / "b"), reference.parameters(tmp_path / "r")) <= (
+            TOLERANCE
+        )
+    finally:
+        for pod in pods.values():
+            pod.kill()
+        lighthouse.stop()

@@ -1,12 +1,19 @@
-"""A pod's share of a batch: its checks (``validate_share``) and the loss's denominators
-(``share_totals``), without processes."""
+"""Units of ``podrl.trainer.replication`` without processes: a pod's share of a batch (its
+checks, ``validate_share``, and the loss's denominators, ``share_totals``) and how a healing
+pod takes a peer's state (``_copy_into``)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from podrl.trainer.batch import BatchError, BatchLimits
-from podrl.trainer.replication import share_totals, validate_share
+from podrl.trainer.replication import (
+    ReplicaStateError,
+    _copy_into,
+    share_totals,
+    validate_share,
+)
 from tests.trainer.pods import share
 from tests.trainer.rank_worker import make_request
 
@@ -58,3 +65,20 @@ def test_inconsistent_totals_name_the_fields():
     bad.sequences[0].advantage = float("nan")
     with pytest.raises(BatchError, match=r"sequences\[0\].advantage"):
         validate_share(bad, 0, LIMITS, replicated=True)
+
+
+def test_a_peer_state_is_copied_into_the_own_tensors_or_refused_by_name():
+    weight = torch.zeros(2, 3)
+    mine = {"model": {"w": weight}, "optim": {"param_groups": [{"lr": 0.0}]}}
+    theirs = {"model": {"w": torch.ones(2, 3)}, "optim": {"param_groups": [{"lr": 0.5}]}}
+    filled = _copy_into(mine, theirs)
+    assert filled["model"]["w"] is weight and bool((weight == 1).all())  # in place
+    assert filled["optim"]["param_groups"][0]["lr"] == 0.5  # other leaves: the peer's
+    other_shape = {"model": {"w": torch.ones(3, 2)}, "optim": theirs["optim"]}
+    with pytest.raises(ReplicaStateError, match=r"\['model'\]\['w'\]: .* shape \(3, 2\)"):
+        _copy_into(mine, other_shape)
+    other_name = {"model": {"v": torch.ones(2, 3)}, "optim": theirs["optim"]}
+    with pytest.raises(ReplicaStateError, match=r"has no \['model'\]\['w'\]"):
+        _copy_into(mine, other_name)
+    with pytest.raises(ReplicaStateError, match="has 1 entries, this trainer's 2"):
+        _copy_into(mine, {"model": {}, "optim": theirs["optim"]})
