@@ -1,9 +1,11 @@
 """Typed errors of the weight-transfer protocol.
 
 A generator maps ``ManifestError.status_code`` onto its gRPC answer: a manifest that does not
-describe this model is ``INVALID_ARGUMENT``; one that does but cannot be applied now (stale
-version, fingerprint without a full manifest, storage gone, untrusted publisher) is
-``FAILED_PRECONDITION``. Either way the weights already loaded keep serving.
+describe this model (or more shards than the receiver takes) is ``INVALID_ARGUMENT``; one
+without the MAC of the pod's weights key is ``PERMISSION_DENIED``; one that does but cannot be
+applied now (stale version, fingerprint without a full manifest, storage gone or unsafe,
+untrusted publisher, weights that are not finite) is ``FAILED_PRECONDITION``. Either way the
+weights already loaded keep serving.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ class ManifestErrorKind(enum.Enum):
     STALE_VERSION = "stale_version"  # version not newer than the one applied
     FINGERPRINT = "fingerprint"  # version-only manifest for storage the receiver never saw
     UNTRUSTED = "untrusted"  # publisher_id is not the pod's own trainer
-    STORAGE = "storage"  # a handle cannot be opened (segment gone, other host, other GPU)
+    STORAGE = "storage"  # a handle cannot be opened (segment gone or unsafe, other host/GPU)
+    UNAUTHENTIC = "unauthentic"  # no MAC, or not the MAC of the pod's weights key
+    LIMIT = "limit"  # more shards than the receiver takes (per tensor or in all)
+    NON_FINITE = "non_finite"  # the weights hold NaN or infinity
 
 
 _FAILED_PRECONDITION = {
@@ -31,6 +36,7 @@ _FAILED_PRECONDITION = {
     ManifestErrorKind.FINGERPRINT,
     ManifestErrorKind.UNTRUSTED,
     ManifestErrorKind.STORAGE,
+    ManifestErrorKind.NON_FINITE,
 }
 
 
@@ -46,6 +52,8 @@ class ManifestError(ValueError):
 
     @property
     def status_code(self) -> grpc.StatusCode:
+        if self.kind is ManifestErrorKind.UNAUTHENTIC:
+            return grpc.StatusCode.PERMISSION_DENIED
         if self.kind in _FAILED_PRECONDITION:
             return grpc.StatusCode.FAILED_PRECONDITION
         return grpc.StatusCode.INVALID_ARGUMENT

@@ -15,6 +15,11 @@ The trainer must not change published storage while a generator may read it:
 A full manifest goes out the first time and whenever the storage fingerprint changes (or on
 ``force_full``); afterwards a manifest carries only the version ("the storage you mapped now
 holds version v").
+
+Weights holding NaN or infinity are never published: :meth:`WeightPublisher.prepare` refuses
+them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
+agrees on that first (``podrl.weights.trainer_weight_sync``). The assembler signs every manifest
+with the pod's weights key (``podrl.weights.keys``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 from podrl.v1 import weights_pb2
 from podrl.weights import codec, cuda_ipc, manifest, shm
 from podrl.weights.errors import PublishError
+from podrl.weights.finite import first_non_finite
+from podrl.weights.keys import WeightsKey
 
 StagingMode = Literal["auto", "shm", "live"]
 """shm: a shared-memory staging copy (CPU); live: the live parameters by CUDA IPC, no copy (GPU);
@@ -90,7 +97,10 @@ class ShmStaging:
             self.handles.append(
                 weights_pb2.TensorStorage(
                     shm=weights_pb2.ShmHandle(
-                        name=segment.name, offset=offset, nbytes=view.numel() * view.element_size()
+                        name=segment.name,
+                        offset=offset,
+                        nbytes=view.numel() * view.element_size(),
+                        segment_nbytes=segment.nbytes,
                     )
                 )
             )
@@ -199,13 +209,31 @@ class WeightPublisher:
         with self._acked:
             return self._pending
 
-    def prepare(self, version: int, *, ack_timeout: float = 0.0) -> RankPublication:
+    def non_finite_parameter(self) -> str | None:
+        """The name of a local parameter shard holding NaN or infinity, or None (one cheap
+        reduction over this rank's shards, :mod:`podrl.weights.finite`)."""
+        from torch.distributed.tensor import DTensor
+
+        return first_non_finite(
+            (name, param.to_local() if isinstance(param, DTensor) else param)
+            for name, param in self._params_fn().items()
+        )
+
+    def prepare(
+        self, version: int, *, ack_timeout: float = 0.0, check_finite: bool = True
+    ) -> RankPublication:
         """Make ``version`` readable and describe this rank's shards.
 
         Waits up to ``ack_timeout`` seconds for the previous version's acknowledgement and
         raises :class:`PublishError` if it does not come (republishing the pending version
-        itself is allowed, e.g. a full manifest for a new generator).
+        itself is allowed, e.g. a full manifest for a new generator). Raises
+        :class:`PublishError` naming a parameter that holds NaN or infinity (``check_finite``;
+        a caller that checked every rank already passes False), with nothing marked pending.
         """
+        if check_finite:
+            bad = self.non_finite_parameter()
+            if bad is not None:
+                raise PublishError(non_finite_message(version, [(self.rank, bad)]))
         with self._acked:
             if self._pending is not None and self._pending != version:
                 self._acked.wait_for(lambda: self._pending is None, timeout=ack_timeout)
@@ -298,11 +326,22 @@ class WeightPublisher:
         shm.reap_orphaned_segments()
 
 
-class ManifestAssembler:
-    """Rank 0: merges every rank's publication into one manifest, full or version-only."""
+def non_finite_message(version: int, bad: Sequence[tuple[int, str]]) -> str:
+    """Why version ``version`` is not published: (rank, parameter) pairs holding NaN/inf."""
+    where = ", ".join(f"rank {rank}: {name}" for rank, name in bad) or "on another rank"
+    return (
+        f"version {version} is not published: its weights hold NaN or infinity ({where}); the "
+        "generators keep the last version they applied. Load a checkpoint of good weights"
+    )
 
-    def __init__(self, publisher_id: str) -> None:
+
+class ManifestAssembler:
+    """Rank 0: merges every rank's publication into one manifest, full or version-only, signed
+    with the pod's weights ``key`` (unsigned without one: no generator accepts it then)."""
+
+    def __init__(self, publisher_id: str, key: WeightsKey | None = None) -> None:
         self.publisher_id = publisher_id
+        self.key = key
         self._last_fingerprint: str | None = None
 
     def assemble(
@@ -320,6 +359,8 @@ class ManifestAssembler:
         if full:
             for part in parts:
                 message.shards.extend(part.shards)
+        if self.key is not None:
+            self.key.sign(message)
         self._last_fingerprint = fingerprint
         return message
 

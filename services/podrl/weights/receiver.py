@@ -14,15 +14,19 @@ Two ways to consume (pick with ``destinations``):
 manifest (:class:`~podrl.weights.errors.ManifestError`) leaves the receiver and the destinations
 as they were. When it returns, every copy has finished: the trainer's storage is no longer read.
 
-The receiver checks what it needs to copy (publisher, names, shapes, dtypes, tiling, storage,
-and for a version-only manifest that it holds a plan for that storage); it does not order
-versions. Which version a generator serves, and whether a manifest may replace it, is
+The receiver checks what it needs to copy (the MAC when it holds the pod's weights key,
+publisher, names, shapes, dtypes, tiling, storage, and for a version-only manifest that it holds
+a plan for that storage), in time linear in the shards (sorting aside) and with caps on their
+number, and that the weights it is about to copy are all finite; it does not order versions.
+Which version a generator serves, and whether a manifest may replace it, is
 ``podrl.generator.weight_state``'s to decide (one place), after the copy *and* vLLM's load.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,9 +37,17 @@ from podrl.v1 import weights_pb2
 from podrl.weights import codec, cuda_ipc, dtypes, shm
 from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
+from podrl.weights.finite import first_non_finite
+from podrl.weights.keys import WeightsKey
 from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 
 Kind = ManifestErrorKind
+
+MAX_SHARDS_PER_TENSOR = 256
+"""Most shards (replicas included) one parameter may have in a manifest: one per trainer rank
+holding it, and a pod's trainer has at most a few dozen ranks. A manifest over the cap is
+refused (``LIMIT``) before its shards are looked at one by one; so is one with more than this
+many per parameter of the model in all."""
 
 
 @dataclass
@@ -72,6 +84,13 @@ class WeightReceiver:
             ``destinations`` the destinations' own dtype is used (copy casts).
         device: where receiver-owned buffers live.
         trusted_publisher_id: when set, manifests from any other publisher are refused.
+        key: the pod's weights key; when set, a manifest without its MAC is refused
+            (``UNAUTHENTIC``). The generator checks the MAC itself before it takes its write
+            lock, so its workers' receivers go without.
+        segment_owner_uid: the user whose shared-memory segments may be opened (the trainer's);
+            default: ``key.owner_uid`` with a key, else this process's user.
+        check_finite: refuse (``NON_FINITE``) weights holding NaN or infinity, checked on the
+            opened sources right before the copy (one reduction over them).
         copy_streams: parallel branches of the CUDA graph a single-GPU plan is captured as
             (1 = one stream, the previous plan).
         map_on_destination: map CUDA IPC sources of another GPU on the destinations' GPU
@@ -90,6 +109,9 @@ class WeightReceiver:
         trusted_publisher_id: str | None = None,
         copy_streams: int = DEFAULT_COPY_STREAMS,
         map_on_destination: bool = True,
+        key: WeightsKey | None = None,
+        segment_owner_uid: int | None = None,
+        check_finite: bool = True,
     ) -> None:
         self.description = description
         self.layout = layout if layout is not None else hf_layout(description)
@@ -98,6 +120,11 @@ class WeightReceiver:
         self.trusted_publisher_id = trusted_publisher_id
         self.copy_streams = copy_streams
         self.map_on_destination = map_on_destination
+        self.key = key
+        if segment_owner_uid is None:
+            segment_owner_uid = key.owner_uid if key is not None else os.geteuid()
+        self.segment_owner_uid = segment_owner_uid
+        self.check_finite = check_finite
         self._cached: _Cached | None = None
         shm.reap_orphaned_segments()
 
@@ -109,6 +136,9 @@ class WeightReceiver:
 
     def validate(self, manifest: weights_pb2.WeightManifest) -> None:
         """Raise :class:`ManifestError` unless ``manifest`` can be applied now."""
+        check_shard_count(manifest, len(self.description.params))
+        if self.key is not None:
+            self.key.verify(manifest)
         if self.trusted_publisher_id is not None and (
             manifest.publisher_id != self.trusted_publisher_id
         ):
@@ -118,6 +148,8 @@ class WeightReceiver:
                 f"({self.trusted_publisher_id!r})",
             )
         if manifest.version_only:
+            if manifest.shards:
+                raise ManifestError(Kind.SHAPE, "a version-only manifest must carry no shards")
             if self._cached is None or self._cached.fingerprint != manifest.model_fingerprint:
                 raise ManifestError(
                     Kind.FINGERPRINT,
@@ -158,6 +190,13 @@ class WeightReceiver:
             previous = by_name.setdefault(name, [])
             if previous and previous[0].dtype != shard.dtype:
                 raise ManifestError(Kind.DTYPE, f"{name}: shards disagree on dtype", name=name)
+            if len(previous) >= MAX_SHARDS_PER_TENSOR:
+                raise ManifestError(
+                    Kind.LIMIT,
+                    f"{name}: more than {MAX_SHARDS_PER_TENSOR} shards (one per trainer rank "
+                    "holding it is the most a trainer sends)",
+                    name=name,
+                )
             previous.append(shard)
         missing = [name for name in expected if name not in by_name]
         if missing:
@@ -168,6 +207,7 @@ class WeightReceiver:
             )
         for name, group in by_name.items():
             _check_tiling(name, expected[name], group)
+        _check_segments(shards)
 
     @staticmethod
     def _validate_local(shard: weights_pb2.TensorShard, dtype: torch.dtype) -> None:
@@ -182,11 +222,12 @@ class WeightReceiver:
         for size, offset, full in zip(
             shard.local_shape, shard.local_offset, shard.global_shape, strict=True
         ):
-            if size < 0 or offset < 0 or offset + size > full:
+            if size < 0 or offset < 0 or offset + size > full or (size == 0 and full > 0):
                 raise ManifestError(
                     Kind.SHAPE,
                     f"{name}: block offset {list(shard.local_offset)} shape "
-                    f"{list(shard.local_shape)} lies outside {list(shard.global_shape)}",
+                    f"{list(shard.local_shape)} is empty or lies outside "
+                    f"{list(shard.global_shape)}",
                     name=name,
                 )
         if len(shard.placements) != len(shard.mesh.shape):
@@ -214,9 +255,17 @@ class WeightReceiver:
                     f"{list(shard.local_shape)} x {dtype}",
                     name=name,
                 )
-            if shm.segment_creator(shard.storage.shm.name) is None:
+            handle = shard.storage.shm
+            if shm.segment_creator(handle.name) is None:
                 raise ManifestError(
-                    Kind.STORAGE, f"{name}: {shard.storage.shm.name!r} is not a podrl segment"
+                    Kind.STORAGE, f"{name}: {handle.name!r} is not a podrl segment", name=name
+                )
+            if handle.offset + handle.nbytes > handle.segment_nbytes:
+                raise ManifestError(
+                    Kind.SHAPE,
+                    f"{name}: bytes {handle.offset}..{handle.offset + handle.nbytes} lie outside "
+                    f"the segment's declared {handle.segment_nbytes} bytes (segment_nbytes)",
+                    name=name,
                 )
         elif storage == "cuda_ipc":
             span = sum((s - 1) * st for s, st in zip(shard.local_shape, shard.stride, strict=True))
@@ -258,6 +307,8 @@ class WeightReceiver:
             reuse = all(destinations[name] is cached.destinations[name] for name in self.layout)
         if not reuse:
             cached = self._compile(manifest, destinations)
+        if self.check_finite:
+            _require_finite(cached.sources)
         if before_copy is not None:
             before_copy()
         # Cached before the copy: a copy that fails half-way leaves the plan valid (the next
@@ -296,7 +347,7 @@ class WeightReceiver:
         on_device = None
         if self.map_on_destination and len(gpus) == 1 and same_dtype:
             on_device = gpus.pop()
-        sources = _open_sources(manifest.shards, on_device)
+        sources = _open_sources(manifest.shards, on_device, self.segment_owner_uid)
         plan = CopyPlan.compile(sources, self.layout, destinations, streams=self.copy_streams)
         return _Cached(
             fingerprint=manifest.model_fingerprint,
@@ -320,25 +371,102 @@ def _shards_bytes(manifest: weights_pb2.WeightManifest) -> bytes:
 def _check_tiling(
     name: str, global_shape: tuple[int, ...], shards: list[weights_pb2.TensorShard]
 ) -> None:
-    """Distinct shard blocks (replicas dropped) must cover the global tensor exactly once."""
-    boxes = list({codec.shard_box(shard) for shard in shards})
-    total = sum(box.numel for box in boxes)
-    overlapping = any(
-        boxes[i].intersect(boxes[j]) is not None
-        for i in range(len(boxes))
-        for j in range(i + 1, len(boxes))
-    )
-    if overlapping or total != math.prod(global_shape):
+    """Distinct shard blocks (replicas dropped) must cover the global tensor exactly once.
+
+    Every layout a DTensor has is a grid: per dimension, the blocks' intervals partition it,
+    and each combination of one interval per dimension is one block. So the check is, per
+    dimension, that the distinct intervals sorted end to end make up the dimension, and that
+    the number of distinct blocks is the product of the interval counts (distinct blocks drawn
+    from that product set, as many as it has: each cell once). Linear in the shards after a
+    sort (comparing blocks pairwise was quadratic: 16,641 shards took minutes).
+    """
+    boxes = {codec.shard_box(shard) for shard in shards}
+    cells = 1
+    problem = ""
+    for dim, full in enumerate(global_shape):
+        position = 0
+        intervals = sorted({(box.offset[dim], box.shape[dim]) for box in boxes})
+        for start, size in intervals:
+            if start != position:
+                problem = "overlap" if start < position else "leave a gap"
+                break
+            position = start + size
+        if not problem and position != full:
+            problem = "leave a gap"
+        if problem:
+            problem = f"blocks {problem} along dimension {dim}"
+            break
+        cells *= len(intervals)
+    if not problem and len(boxes) != cells:
+        problem = f"{len(boxes)} distinct blocks do not form the {cells} cells of a grid"
+    if problem:
         raise ManifestError(
             Kind.COVERAGE,
-            f"{name}: {len(boxes)} distinct shard blocks cover {total} of "
-            f"{math.prod(global_shape)} elements{' and overlap' if overlapping else ''}",
+            f"{name}: the shards do not tile {list(global_shape)} exactly once: {problem}",
             name=name,
         )
 
 
+def _check_segments(shards: list[weights_pb2.TensorShard]) -> None:
+    """Shards in one shared-memory segment agree on its size and never share bytes (the
+    trainer packs each tensor of a rank into bytes of its own; overlapping views would read
+    one tensor's data as another's)."""
+    by_segment: dict[str, list[tuple[int, int, str]]] = {}
+    sizes: dict[str, int] = {}
+    for shard in shards:
+        if shard.storage.WhichOneof("kind") != "shm":
+            continue
+        handle = shard.storage.shm
+        if sizes.setdefault(handle.name, handle.segment_nbytes) != handle.segment_nbytes:
+            raise ManifestError(
+                Kind.SHAPE,
+                f"{shard.name}: shards in {handle.name} disagree on segment_nbytes",
+                name=shard.name,
+            )
+        by_segment.setdefault(handle.name, []).append(
+            (handle.offset, handle.offset + handle.nbytes, shard.name)
+        )
+    for segment, ranges in by_segment.items():
+        ranges.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+            if start < end:
+                raise ManifestError(
+                    Kind.SHAPE,
+                    f"{second}: its bytes in {segment} overlap those of {first}",
+                    name=second,
+                )
+
+
+def check_shard_count(manifest: weights_pb2.WeightManifest, parameters: int) -> None:
+    """``LIMIT`` unless the manifest has at most ``MAX_SHARDS_PER_TENSOR`` shards per
+    parameter of the model in all (checked before any shard is looked at)."""
+    cap = MAX_SHARDS_PER_TENSOR * max(parameters, 1)
+    if len(manifest.shards) > cap:
+        raise ManifestError(
+            Kind.LIMIT,
+            f"{len(manifest.shards)} shards for a model of {parameters} parameters; at most "
+            f"{MAX_SHARDS_PER_TENSOR} per parameter ({cap}) are taken",
+        )
+
+
+def _require_finite(sources: Mapping[str, list[SourceShard]]) -> None:
+    """``NON_FINITE`` unless every opened source element is finite (:mod:`podrl.weights.finite`)."""
+    bad = first_non_finite(
+        (name, shard.tensor) for name, shards in sources.items() for shard in shards
+    )
+    if bad is not None:
+        raise ManifestError(
+            Kind.NON_FINITE,
+            f"{bad}: the published weights hold NaN or infinity; nothing was copied and the "
+            "served weights stay",
+            name=bad,
+        )
+
+
 def _open_sources(
-    shards: list[weights_pb2.TensorShard], on_device: int | None = None
+    shards: list[weights_pb2.TensorShard],
+    on_device: int | None = None,
+    segment_owner_uid: int | None = None,
 ) -> dict[str, list[SourceShard]]:
     """Open every distinct shard once (replicas are skipped); STORAGE error if one fails.
 
@@ -355,7 +483,7 @@ def _open_sources(
         dtype = dtypes.from_wire(shard.dtype)
         assert dtype is not None  # validated
         try:
-            tensor = _open_shard(shard, dtype, segments, on_device)
+            tensor = _open_shard(shard, dtype, segments, on_device, segment_owner_uid)
         except (OSError, LookupError, RuntimeError, ValueError) as exc:
             raise ManifestError(
                 Kind.STORAGE, f"{shard.name}: cannot open its storage: {exc}", name=shard.name
@@ -369,6 +497,7 @@ def _open_shard(
     dtype: torch.dtype,
     segments: dict[str, torch.Tensor],
     on_device: int | None = None,
+    segment_owner_uid: int | None = None,
 ) -> torch.Tensor:
     shape = tuple(shard.local_shape)
     if shard.storage.WhichOneof("kind") == "shm":
@@ -379,7 +508,9 @@ def _open_shard(
                 "generator need one PID namespace, shareProcessNamespace: true)"
             )
         if handle.name not in segments:
-            segments[handle.name] = shm.open_segment_readonly(handle.name)
+            segments[handle.name] = shm.open_segment_readonly(
+                handle.name, nbytes=handle.segment_nbytes, owner_uid=segment_owner_uid
+            )
         data = segments[handle.name]
         if handle.offset + handle.nbytes > data.numel():
             raise ValueError(f"{handle.name} is smaller than offset + nbytes")

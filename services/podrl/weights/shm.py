@@ -13,7 +13,9 @@ creator writes ``unknown`` in the name, and a reader that cannot read a creator'
 goes by the pid alone. Such a segment counts as alive while its pid runs (a reused pid may
 then keep it until that process ends); it is never reaped or refused on a guess.
 
-Readers map segments read-only, so a generator can never write into the trainer's memory.
+Readers map segments read-only, so a generator can never write into the trainer's memory, and
+open them only as regular files (no symlink is followed) of the trainer's user with exactly the
+size the manifest declares.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -161,16 +164,46 @@ class SharedSegment:
         _unregister(self)
 
 
-def open_segment_readonly(name: str, shm_dir: Path = SHM_DIR) -> torch.Tensor:
+class UnsafeSegmentError(OSError):
+    """A file under a podrl segment name that is not what the trainer creates: not a regular
+    file, another user's, or not of the declared size."""
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def open_segment_readonly(
+    name: str,
+    shm_dir: Path = SHM_DIR,
+    *,
+    nbytes: int | None = None,
+    owner_uid: int | None = None,
+) -> torch.Tensor:
     """Map an existing segment read-only as a uint8 tensor (FileNotFoundError if it is gone).
 
-    The mapping lives as long as the returned tensor (and its views) does.
+    Opened without following symlinks (and without blocking on a FIFO); the file must be a
+    regular file owned by ``owner_uid`` (default: this process's user) and, when ``nbytes``
+    is given, exactly that large; anything else raises :class:`UnsafeSegmentError` (or the
+    open's own OSError, e.g. ELOOP for a symlink). The mapping lives as long as the returned
+    tensor (and its views) does.
     """
     if segment_creator(name) is None or "/" in name:
         raise FileNotFoundError(f"not a podrl shared-memory segment name: {name!r}")
-    fd = os.open(shm_dir / name, os.O_RDONLY)
+    fd = os.open(shm_dir / name, _OPEN_FLAGS)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafeSegmentError(f"{name} is not a regular file")
+        expected_owner = os.geteuid() if owner_uid is None else owner_uid
+        if info.st_uid != expected_owner:
+            raise UnsafeSegmentError(
+                f"{name} belongs to uid {info.st_uid}, not to the trainer's user {expected_owner}"
+            )
+        size = info.st_size
+        if nbytes is not None and size != nbytes:
+            raise UnsafeSegmentError(f"{name} holds {size} bytes, the manifest declares {nbytes}")
+        if size == 0:
+            raise UnsafeSegmentError(f"{name} is empty")
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)

@@ -17,6 +17,12 @@ AcknowledgeWeights also take, so no publication lands between the check and the 
 hook never waits in the service; it does when ``TrainerEngine.train_step`` is driven directly
 (tests/gpu). The hook runs inside ``optimizer.step``, after the ranks agreed to step, so a wait
 that times out there is outside Train's all-or-nothing rule: the gate is what keeps it away.
+
+Before publishing, every rank checks its own shards for NaN and infinity and the ranks agree
+(one all-reduce): if any rank holds such a value, every rank refuses alike (``PublishError`` →
+FAILED_PRECONDITION naming the rank and parameter) and nothing becomes pending. Rank 0 signs
+the manifest with the pod's weights key (``podrl.weights.keys``, ``PODRL_WEIGHTS_KEY_FILE``;
+created by the trainer's first start in the pod when the file does not exist yet).
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from podrl.v1 import trainer_pb2
-from podrl.weights.distributed import gather_publications
-from podrl.weights.publisher import ManifestAssembler, WeightPublisher
+from podrl.weights.distributed import gather_bytes, gather_publications
+from podrl.weights.errors import PublishError
+from podrl.weights.keys import load_trainer_key
+from podrl.weights.publisher import ManifestAssembler, WeightPublisher, non_finite_message
 
 PUBLISH_WEIGHTS = "publish_weights"
 ACKNOWLEDGE_WEIGHTS = "acknowledge_weights"
@@ -59,7 +67,8 @@ class TrainerWeightSync:
         self.engine = engine
         self.rank = rank
         self.publisher = WeightPublisher(engine.model, rank=rank)
-        self.assembler = ManifestAssembler(publisher_id)
+        # Only rank 0 assembles (and signs); it creates the key file if the pod has none yet.
+        self.assembler = ManifestAssembler(publisher_id, load_trainer_key() if rank == 0 else None)
         self.ack_timeout = ack_timeout
         engine.optimizer.register_step_pre_hook(self._before_optimizer_step)
         gates = getattr(engine, "train_gates", None)
@@ -97,12 +106,34 @@ class TrainerWeightSync:
         for module in self.engine.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        part = self.publisher.prepare(version, ack_timeout=0.0)
+        self._require_finite_everywhere(version)
+        part = self.publisher.prepare(version, ack_timeout=0.0, check_finite=False)
         parts = gather_publications(part) if torch.distributed.is_initialized() else [part]
         if self.rank != 0:
             return b""
         manifest = self.assembler.assemble(version, parts, force_full=request.force_full)
         return trainer_pb2.PublishWeightsResponse(manifest=manifest).SerializeToString()
+
+    def _require_finite_everywhere(self, version: int) -> None:
+        """Every rank: raise PublishError if any rank's shards hold NaN or infinity (each rank
+        checks its own; the verdicts travel to every rank, so all refuse alike and none waits
+        in the gather below)."""
+        bad = self.publisher.non_finite_parameter()
+        verdicts = [(self.rank, bad or "")]
+        if torch.distributed.is_initialized():
+            flags = torch.tensor([int(bad is not None)], dtype=torch.int32)
+            if torch.distributed.get_backend() == "nccl":
+                flags = flags.cuda()
+            torch.distributed.all_reduce(flags)
+            if not int(flags.item()):
+                return
+            # Rare path: gather every rank's parameter name so the error names them.
+            names = gather_bytes((bad or "").encode())
+            verdicts = [(rank, name.decode()) for rank, name in enumerate(names)]
+        elif bad is None:
+            return
+        named = [(rank, name) for rank, name in verdicts if name]
+        raise PublishError(non_finite_message(version, named))
 
     def acknowledge(self, payload: bytes) -> bytes:
         request = trainer_pb2.AcknowledgeWeightsRequest.FromString(payload)
