@@ -18,10 +18,17 @@ from podrl.config.run_config import RunConfig
 ENV_PREFIX = "PODRL_"
 ENV_NESTING = "__"
 # PODRL_* variables that are not run-config overrides: the config file itself, the run's
-# shared secret (a file, or the value; read by podrl.common.auth, never part of the config), and
-# the fault plan of chaos tests (podrl.common.faults).
+# shared secret (a file, or the value; read by podrl.common.auth, never part of the config), the
+# pod's weights key file (podrl.weights.keys) and the fault plan of chaos tests
+# (podrl.common.faults).
 NOT_OVERRIDES = frozenset(
-    {"PODRL_CONFIG", "PODRL_RUN_SECRET_FILE", "PODRL_RUN_SECRET", "PODRL_FAULTS"}
+    {
+        "PODRL_CONFIG",
+        "PODRL_RUN_SECRET_FILE",
+        "PODRL_RUN_SECRET",
+        "PODRL_WEIGHTS_KEY_FILE",
+        "PODRL_FAULTS",
+    }
 )
 
 
