@@ -25,8 +25,9 @@ from podrl.config.controller import ControllerConfig
 from podrl.config.coupling import apply_coupling_rules
 from podrl.config.generator import GeneratorConfig
 from podrl.config.grader import GraderConfig
-from podrl.config.loop import LoopConfig, SamplingConfig
+from podrl.config.loop import LoopConfig, SamplingConfig, check_evaluation
 from podrl.config.tasks import TasksConfig
+from podrl.config.tracking import TrackingConfig
 from podrl.config.trainer import TrainerConfig
 from podrl.config.transport import GrpcConfig, LogConfig
 
@@ -69,10 +70,12 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _couple_sections(self) -> RunConfig:
         # Derives unset dependent fields in place, or raises CoupledFieldsError (a ValueError,
         # so pydantic reports it as a validation error) naming both fields of each conflict.
         apply_coupling_rules(self)
+        check_evaluation(self.loop, self.tasks)
         return self
