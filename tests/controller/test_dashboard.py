@@ -16,11 +16,13 @@ import uvicorn
 from podrl.common.processes import free_port
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
+from podrl.controller.roster import PodRoster
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+POD_1 = "pod-1"
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
 )
@@ -31,7 +33,12 @@ def served_run(tmp_path: Path) -> Iterator[str]:
     registry = MemberRegistry(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
+    # A second pod; both are in the roster (admitted at the same step boundary).
+    for component in (1, 2, 3):
+        registry.register(POD_1, component, f"127.0.0.1:{50060 + component}", "inc")
     state = RunState("dash-test", registry, min_worker_pods=1, steps_total=20)
+    state.roster = PodRoster(registry, desired_replicas=lambda: 3)
+    state.roster.admit()
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 8):
         metrics = {
@@ -43,6 +50,8 @@ def served_run(tmp_path: Path) -> Iterator[str]:
             "phase_seconds": {"generate": 0.5, "score": 0.1, "train": 1.0, "sync": 0.05},
             "score_errors": step % 3,
             "dropped_samples": 2 * (step % 3),
+            "pods": ["pod-0"] if step < 5 else ["pod-0", POD_1],
+            "epoch": 1 if step < 5 else 2,
         }
         if step == 7:  # its Train reply was lost: the trainer metrics are unknown
             metrics.update(loss=None, pg_loss=None, metrics_unknown=True)
@@ -95,16 +104,21 @@ def test_dashboard_renders_status_charts_and_workers(served_run: str, tmp_path: 
     assert text_of("policy-version") == "7"
     assert text_of("phase") == "generate"
     assert text_of("reward-latest") == "0.700"
-    assert text_of("healthy-pods") == "1"
+    assert text_of("healthy-pods") == "2"
+    assert text_of("desired-replicas") == "3"
+    assert text_of("epoch") == "1"
     assert text_of("score-errors-latest") == "1 (dropped 2)"
     # Every chart was drawn from /v1/steps: one polyline per series, legends with last values.
-    assert len(re.findall(r"<polyline [^>]*points=\"[0-9]", dom)) == 1 + 2 + 2 + 4 + 2
+    assert len(re.findall(r"<polyline [^>]*points=\"[0-9]", dom)) == 1 + 2 + 2 + 4 + 2 + 2
+    assert 'data-series="pods">pods: 2.000<' in dom and 'data-series="epoch">epoch: 2.000<' in dom
     assert 'data-series="reward_mean">reward_mean: 0.7000<' in dom
     assert 'data-series="entropy">entropy: 1.600<' in dom
     # An unknown figure is a dash, never 0.
     assert 'data-series="loss">loss: \u2014<' in dom
     assert 'data-series="score_errors">score_errors: 1.000<' in dom
-    assert dom.count("<td>pod-0</td>") == 3
+    assert dom.count("<td>pod-0</td>") == 3 + 1  # its three processes, and the pods table
+    assert "<td>pod-0</td><td>training</td><td>0</td><td>0</td><td>0</td>" in dom
+    assert dom.count("<td>pod-1</td>") == 3 + 1
     assert "no data yet</text></svg>" not in dom
 
     ARTIFACTS.mkdir(exist_ok=True)

@@ -284,3 +284,26 @@ def test_a_pod_killed_mid_generate_has_its_prompts_generated_by_the_others(
     assert records[2]["pods"] == ["pod-1"]
     _check_every_prompt_once(run["samples"], STEPS)
     assert pods[1].trainer.version == STEPS
+
+
+def test_a_trainer_whose_generator_left_is_still_sent_every_step(cluster: Cluster) -> None:
+    """torchft: a trainer that heartbeats to the Lighthouse but is not sent a step holds the
+    other pods' quorum; so while it is healthy it gets every step (its pod generates nothing)."""
+    pods = [cluster.add("pod-0"), cluster.add("pod-1")]
+    calls = {"n": 0}
+
+    def generator_leaves() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 2: only pod-1's generator drains
+            cluster.registry.drain("pod-1", controller_pb2.COMPONENT_GENERATOR, "pod-1-incarnation")
+
+    pods[1].generator.on_generate = generator_leaves
+    run = cluster.run()
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[3]["generated_by"] == {"pod-0": PROMPTS}
+    assert records[3]["pods"] == ["pod-0", "pod-1"]
+    assert pods[1].trainer.version == pods[0].trainer.version == STEPS
+    assert {r.pods for r in pods[0].trainer.applied} == {2}
+    assert _digest(pods[0].address).sha256 == _digest(pods[1].address).sha256
+    _check_every_prompt_once(run["samples"], STEPS)

@@ -56,7 +56,7 @@ from podrl.controller.resume import (
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.roster import Pod, PodRoster
+from podrl.controller.roster import Pod, PodRoster, pod_order
 from podrl.controller.run_store import PendingStep, RunStore, StepRecord
 from podrl.controller.status import RunState
 from podrl.controller.step_errors import (
@@ -67,7 +67,7 @@ from podrl.controller.step_errors import (
 from podrl.controller.train_phase import TrainOutcome, TrainPhase
 from podrl.controller.weight_sync import WeightSync
 from podrl.tasks import TaskSource
-from podrl.v1 import trainer_pb2
+from podrl.v1 import controller_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +102,8 @@ class GrpoLoop:
         # a trainer may still hold as its last applied batch.
         self._batch_prefix = f"{config.name}:{uuid.uuid4().hex[:8]}"
         self._joining: set[str] = set()
+        self._replicas: set[str] = set()
+        """Pods whose trainers were sent a Train in this run (torchft replicas)."""
 
     # -- workers ---------------------------------------------------------------------------------
     def _lead(self) -> Pod:
@@ -120,6 +122,21 @@ class GrpoLoop:
             if pod.id == pod_id:
                 self.state.registry.mark_unreachable(pod.trainer)
         self.roster.drop(pod_id, reason)
+
+    def _train_set(self) -> dict[str, str]:
+        """Pod id → trainer address of every trainer this step's Train goes to: the roster's,
+        and every other healthy trainer that has trained in this run (a pod that lost its
+        generator or grader mid-step, say). torchft's Lighthouse counts the trainers that
+        heartbeat to it, and one that is not sent a step holds the others' quorum until its
+        timeout (docs/scaling.md, "Trainers across pods"); an empty share is fine."""
+        trainers = {pod.id: pod.trainer for pod in self.roster.pods()}
+        terminating = self.roster.terminating()
+        healthy = self.state.registry.healthy_members(controller_pb2.COMPONENT_TRAINER)
+        for pod_id, address in healthy.items():
+            if pod_id in self._replicas and pod_id not in trainers and pod_id not in terminating:
+                trainers[pod_id] = address
+        self._replicas |= set(trainers)
+        return {pod_id: trainers[pod_id] for pod_id in sorted(trainers, key=pod_order)}
 
     def _lost(self, pod: Pod) -> bool:
         return not self.roster.usable(pod)
@@ -231,8 +248,8 @@ class GrpoLoop:
         outcome: TrainOutcome | None = None
         epoch = self.roster.epoch
         if batch.sequences:
-            pods = {pod.id: pod for pod in self.roster.pods()}
-            if not pods:
+            trainers = self._train_set()
+            if not trainers:
                 raise StepFailedError("train", "no pod is left to train on")
 
             def requests_for(
@@ -261,9 +278,7 @@ class GrpoLoop:
             outcome = self._timed(
                 "train",
                 timings,
-                lambda: self.train_phase.train_pods(
-                    {pod_id: pod.trainer for pod_id, pod in pods.items()}, expected, requests_for
-                ),
+                lambda: self.train_phase.train_pods(trainers, expected, requests_for),
             )
             epoch = self.roster.epoch
             faults.hit("controller.after_train", step=step)

@@ -4,11 +4,12 @@ The registry is bounded: worker ids, addresses and incarnations are validated an
 length, at most ``max_members`` processes are registered at once, and a member not heard from
 for ``expire_after_seconds`` is removed. A (worker id, component) that a live process holds is
 not taken over by a process at another address until the holder drains, is marked unreachable
-or stops heartbeating (probes 30–33 and 35 of the 2026-12-01 probe).
+or stops heartbeating (probes 30 to 33 and 35 of the 2026-12-01 probe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 import threading
@@ -261,6 +262,36 @@ class MemberRegistry:
                 if self._healthy(member, now):
                     by_pod.setdefault(member.worker_id, set()).add(member.component)
         return sorted(pod for pod, parts in by_pod.items() if parts >= POD_COMPONENTS)
+
+    def complete_pods(self) -> dict[str, dict[int, Member]]:
+        """Worker pods whose generator, grader and trainer are all healthy: worker id →
+        component → a copy of its member (address, incarnation, policy version)."""
+        now = self._clock()
+        with self._lock:
+            by_pod: dict[str, dict[int, Member]] = {}
+            for member in self._members.values():
+                if self._healthy(member, now):
+                    by_pod.setdefault(member.worker_id, {})[member.component] = dataclasses.replace(
+                        member
+                    )
+        return {pod: parts for pod, parts in by_pod.items() if set(parts) >= POD_COMPONENTS}
+
+    def pod_members(self) -> dict[str, list[MemberView]]:
+        """Every registered process by worker pod (for status pages)."""
+        by_pod: dict[str, list[MemberView]] = {}
+        for view in self.members():
+            by_pod.setdefault(view.worker_id, []).append(view)
+        return by_pod
+
+    def healthy_members(self, component: int) -> dict[str, str]:
+        """Worker id → address of every healthy process of ``component``."""
+        now = self._clock()
+        with self._lock:
+            return {
+                m.worker_id: m.address
+                for m in self._members.values()
+                if m.component == component and self._healthy(m, now)
+            }
 
     def healthy_addresses(self, component: int) -> list[str]:
         now = self._clock()

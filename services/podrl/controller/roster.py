@@ -145,6 +145,10 @@ class PodRoster:
             )
         return sorted(pods, key=lambda pod: pod_order(pod.id))
 
+    def terminating(self) -> frozenset[str]:
+        """Pods the cluster is deleting (none outside a cluster)."""
+        return self._terminating()
+
     def usable(self, pod: Pod) -> bool:
         """The pod is still as admitted: its three processes healthy (same incarnations) and
         not terminating. Checked between the phases of a step."""
