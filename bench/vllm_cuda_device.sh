@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The third of the three vLLM carry calls on the H200 machine (docs/cuda.md, "vLLM on the H200"):
+# unpacks vLLM 0.26.0 (pieces from ../shared/tools/vllm-cuda-pieces.sh, the first two already in
+# /tmp/vp), installs the carried wheels (.device-wheels/), then runs tests/gpu/test_vllm_cuda.py
+# with the measurements on; the JSON, the pytest log and the services' logs land in $OUT.
+#
+#   bash bench/vllm_cuda_device.sh [SECONDS]   (carry [".vp3", ".device-wheels"]; SECONDS: the
+#                                               call's limit, default 600)
+set -uo pipefail
+limit=${1:-600}
+out=${OUT:-/tmp/vllm-cuda-out}
+mkdir -p "$out" /tmp/vp /tmp/vsite
+started=$(date +%s)
+cp .vp3/* /tmp/vp/ || exit 1
+cat /tmp/vp/piece.* | xz -d -T8 | tar -x -C /tmp/vsite || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/psite \
+    .device-wheels/*.whl || exit 1
+echo "unpacked and installed in $(($(date +%s) - started)) s"
+# Our grpcio/protobuf (the generated stubs' versions) first, vLLM's site last.
+export PYTHONPATH="services:/tmp/psite:.:/tmp/vsite"
+export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PODRL_VLLM_BENCH_OUT="$out/vllm_cuda_h200.json"
+# The harness skips optional phases that would not end this many seconds after it starts
+# (a margin for pytest's start, the services' shutdown and the table).
+export PODRL_VLLM_BENCH_BUDGET=$((limit - ($(date +%s) - started) - 50))
+echo "harness budget: $PODRL_VLLM_BENCH_BUDGET s" 
+python3 -c "import vllm, torch, grpc; print('vllm', vllm.__version__, 'torch', torch.__version__, 'grpc', grpc.__version__)"
+python3 -m pytest -q -p no:cacheprovider -o timeout=0 -s tests/gpu/test_vllm_cuda.py 2>&1 \
+    | tee "$out/pytest.log" | grep -v -E "^\(EngineCore|^INFO|^DEBUG" | tail -n 120
+rc=$?
+for f in /tmp/pytest-of-*/pytest-*/vllm-cuda*/trainer/trainer.log; do
+    [ -f "$f" ] && tail -n 200 "$f" > "$out/trainer.log"
+done
+python3 -c "import json,sys; from bench.vllm_cuda import Results, table; \
+r = Results(**{k: v for k, v in json.load(open(sys.argv[1])).items()}); print(table(r))" \
+    "$PODRL_VLLM_BENCH_OUT" | tee "$out/table.txt"
+exit $rc
