@@ -10,6 +10,10 @@ The GRPO tests share their processes and run in file order, one step each:
    unchanged, then trains the whole batch alone to the single-pod result;
 3. a pod started after those steps heals from its peer in its first step: same digest, same
    version.
+
+The DAPO test and the test of pods of 2 FSDP2 ranks have processes (and a Lighthouse) of their
+own; the DAPO one also has a pod fail after the exchange (its peer applies the step, it heals
+in the next one).
 """
 
 from __future__ import annotations
@@ -204,6 +208,9 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     assert "healed from a peer pod: version 0 -> 3" in c.log()
     assert "pod-c" in lighthouse.status()
+    # Pod a asked first: torchft's fast quorum (the previous members are back) left pod c
+    # out, and pod a formed the quorum again once the shares did not add up.
+    assert "the request names 2 pods: forming the quorum again" in a.log()
     alone = reference.stub.Train(batch, timeout=180)
     for reply in replies.values():
         assert reply.policy_version == 4
@@ -226,8 +233,14 @@ def dapo(tiny_model, tmp_path):
         ["dapo-reference", "dapo-a", "dapo-b"],
         lighthouse=None,
         extra_env={
-            name: {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address}
-            for name in ("dapo-a", "dapo-b")
+            "dapo-a": {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address},
+            # Pod b fails after the exchange of the step from version 1 (before its commit).
+            "dapo-b": {
+                "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address,
+                **fault_plan(
+                    {"point": "trainer.before_optimizer_step", "action": "raise", "version": 1}
+                ),
+            },
         },
         loss_mode="dapo",
         clip_eps_high=0.28,
@@ -238,7 +251,7 @@ def dapo(tiny_model, tmp_path):
     assert lighthouse.stop() == 0  # SIGTERM stops it cleanly
 
 
-def test_two_pods_train_a_split_batch_as_one_pod_dapo(dapo):
+def test_dapo_two_pods_as_one_and_a_pod_failing_after_the_exchange(dapo):
     pods, tmp = dapo
     reference, a, b = pods["dapo-reference"], pods["dapo-a"], pods["dapo-b"]
     batch = make_request(21, sequences=SEQUENCES, version=0)
@@ -251,6 +264,29 @@ def test_two_pods_train_a_split_batch_as_one_pod_dapo(dapo):
         _same_metrics(reply, alone)
     assert a.digest() == b.digest()
     assert max_abs_diff(a.parameters(tmp / "a"), reference.parameters(tmp / "ref")) <= TOLERANCE
+
+    # Pod b fails after the exchange: pod a applied the whole batch (OK), pod b nothing.
+    batch = make_request(22, sequences=SEQUENCES, version=1)
+    replies = _train_together(
+        {a: share(batch, range(0, 4), "2/a", 2), b: share(batch, range(4, 8), "2/b", 2)}
+    )
+    assert replies["dapo-a"].policy_version == 2
+    assert replies["dapo-b"].code() == grpc.StatusCode.ABORTED
+    assert b.digest().policy_version == 1
+    _same_metrics(replies["dapo-a"], reference.stub.Train(batch, timeout=180))
+    # The step is trained (never sent again); pod b heals from pod a in the next one.
+    batch = make_request(23, sequences=SEQUENCES, version=2)
+    replies = _train_together(
+        {a: share(batch, range(0, 4), "3/a", 2), b: share(batch, range(4, 8), "3/b", 2)}
+    )
+    assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
+    assert "healed from a peer pod: version 1 -> 2" in b.log()
+    alone = reference.stub.Train(batch, timeout=180)
+    for reply in replies.values():
+        assert reply.policy_version == 3
+        _same_metrics(reply, alone)
+    assert a.digest() == b.digest()
+    assert max_abs_diff(b.parameters(tmp / "b3"), reference.parameters(tmp / "ref3")) <= (TOLERANCE)
 
 
 def test_a_lighthouse_on_a_taken_port_says_which(lighthouse):

@@ -15,7 +15,7 @@ gloo on CPU, NCCL on CUDA). One step:
    must be ``TrainRequest.pods``. A quorum that misses a pod (torchft forms a quorum as soon
    as the previous one's members are back, before a newcomer's request arrives) is formed
    again, until ``quorum_timeout_seconds``. A pod that refuses its share (INVALID_ARGUMENT)
-   says so here, and every other pod aborts too.
+   says so here, once the quorum is complete, and every other pod aborts too.
 2. forward/backward on the pod's share, with the batch-wide totals as the loss's
    denominators (so per-pod gradients are parts of one sum);
 3. **exchange** (:meth:`CrossPodReplica.exchange`): a vote (did every pod compute its
@@ -413,14 +413,6 @@ class CrossPodReplica:
                     "nothing was stepped"
                 ) from failure
             held_sequences, held_tokens, pods, refused, *claimed = counts.tolist()
-            if refused:
-                self.close("a pod refused its share")
-                if refusal is not None:
-                    raise refusal
-                raise ReplicaStepError(
-                    f"{int(refused)} other pod(s) of this step refused their share "
-                    "(INVALID_ARGUMENT there); no pod stepped"
-                )
             if [c / pods for c in claimed] != list(expected):
                 self.close("the pods disagree on the batch")
                 raise ReplicaStepError(
@@ -432,6 +424,16 @@ class CrossPodReplica:
             complete = (held_sequences, held_tokens) == expected[:2] and (
                 not request.pods or pods == request.pods
             )
+            # A refusal counts only in the complete quorum: a pod that gave up in a partial one
+            # would leave the pods not yet in it waiting for it until their timeout.
+            if complete and refused:
+                self.close("a pod refused its share")
+                if refusal is not None:
+                    raise refusal
+                raise ReplicaStepError(
+                    f"{int(refused)} other pod(s) of this step refused their share "
+                    "(INVALID_ARGUMENT there); no pod stepped"
+                )
             if complete:
                 if attempt > 1:
                     log.info(
@@ -449,6 +451,8 @@ class CrossPodReplica:
             )
             if time.monotonic() + pause > deadline:
                 self.close("the quorum never held the step's pods")
+                if refusal is not None:
+                    raise refusal
                 raise ReplicaStepError(
                     f"{missing} after {attempt} attempts in "
                     f"{self.settings.quorum_timeout_seconds:.0f} s "
