@@ -11,6 +11,7 @@ import httpx
 import pytest
 import uvicorn
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.main import main as podrl
 from podrl.common.processes import free_port
@@ -90,6 +91,13 @@ def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> 
     roster.admit()
     status = httpx.get(f"{url}/v1/status", timeout=5).json()
     assert status["desired_replicas"] == 3 and status["epoch"] == 1
+    metrics = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        for sample in family.samples
+    }
+    assert metrics["podrl_desired_replicas"] == 3
+    assert metrics["podrl_pods"] == 1 and metrics["podrl_epoch"] == 1
     assert status["pods"] == [
         {"id": "local-0", "state": "training", "policy_version": 0, "share": 0,
          "train_sequences": 0}
