@@ -19,13 +19,15 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
+if TYPE_CHECKING:
+    # The kubernetes client is imported only where a KubernetesScaler is made, so the local
+    # launcher (LocalScaler, podrl up) runs in images without it (the trainer's, say).
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
-from podrl.controller.kube_watch import KubeWatchConfig
+    from podrl.controller.kube_watch import KubeWatchConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class KubernetesScaler:
     """Scales the worker StatefulSet through its ``scale`` subresource."""
 
     def __init__(self, config: KubeWatchConfig) -> None:
+        from kubernetes import client
+
         self.config = config
         self._api = client.AppsV1Api(config.api_client())
 
@@ -73,6 +77,9 @@ class KubernetesScaler:
         return f"StatefulSet {self.config.namespace}/{self.config.statefulset}"
 
     def set_replicas(self, replicas: int) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
         replicas = check_replicas(replicas)
         config = self.config
         try:
@@ -92,6 +99,9 @@ class KubernetesScaler:
         log.info("%s: asked for %d replicas", self._target, replicas)
 
     def desired_replicas(self) -> int:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
         config = self.config
         try:
             response = self._api.read_namespaced_stateful_set(
