@@ -19,11 +19,11 @@ echo "unpacked and installed in $(($(date +%s) - started)) s"
 # Our grpcio/protobuf (the generated stubs' versions) first, vLLM's site last.
 export PYTHONPATH="services:/tmp/psite:.:/tmp/vsite"
 export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export PODRL_VLLM_BENCH_OUT="$out/vllm_cuda_h200.json"
+export BENCH_VLLM_OUT="$out/vllm_cuda_h200.json"
 # The harness skips optional phases that would not end this many seconds after it starts
 # (a margin for pytest's start, the services' shutdown and the table).
-export PODRL_VLLM_BENCH_BUDGET=$((limit - ($(date +%s) - started) - 50))
-echo "harness budget: $PODRL_VLLM_BENCH_BUDGET s" 
+export BENCH_VLLM_BUDGET=$((limit - ($(date +%s) - started) - 50))
+echo "harness budget: $BENCH_VLLM_BUDGET s" 
 python3 -c "import vllm, torch, grpc; print('vllm', vllm.__version__, 'torch', torch.__version__, 'grpc', grpc.__version__)"
 python3 -m pytest -q -p no:cacheprovider -o timeout=0 -s tests/gpu/test_vllm_cuda.py 2>&1 \
     | tee "$out/pytest.log" | grep -v -E "^\(EngineCore|^INFO|^DEBUG" | tail -n 120
@@ -33,5 +33,5 @@ for f in /tmp/pytest-of-*/pytest-*/vllm-cuda*/trainer/trainer.log; do
 done
 python3 -c "import json,sys; from bench.vllm_cuda import Results, table; \
 r = Results(**{k: v for k, v in json.load(open(sys.argv[1])).items()}); print(table(r))" \
-    "$PODRL_VLLM_BENCH_OUT" | tee "$out/table.txt"
+    "$BENCH_VLLM_OUT" | tee "$out/table.txt"
 exit $rc

@@ -3,7 +3,7 @@
 The real trainer service (FSDP2 on one GPU, fp32 master weights) publishes CUDA IPC manifests;
 the real generator service applies them with its vLLM worker extension, ``in_place``, into
 vLLM's own parameters. The run itself is bench/vllm_cuda.py (one engine start for every check);
-these tests assert on what it saw. Set ``PODRL_VLLM_BENCH_OUT=FILE`` to also take the
+these tests assert on what it saw. Set ``BENCH_VLLM_OUT=FILE`` to also take the
 measurements and write them to FILE (the device run of docs/cuda.md does).
 
 Skipped without CUDA (tests/gpu/conftest.py) and without vLLM.
@@ -26,14 +26,14 @@ VERSIONS = ("v1", "v2", "v3", "after_rollback", "after_sleep1", "after_sleep2")
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    out = os.environ.get("PODRL_VLLM_BENCH_OUT")
+    out = os.environ.get("BENCH_VLLM_OUT")
     opts = Options(
         device="cuda",
-        shape=os.environ.get("PODRL_VLLM_BENCH_SHAPE", "0.6b"),
+        shape=os.environ.get("BENCH_VLLM_SHAPE", "0.6b"),
         measure=bool(out),
         out=Path(out) if out else None,
         work_dir=tmp_path_factory.mktemp("vllm-cuda"),
-        budget_seconds=float(os.environ.get("PODRL_VLLM_BENCH_BUDGET", "480")),
+        budget_seconds=float(os.environ.get("BENCH_VLLM_BUDGET", "480")),
     )
     results = run(opts)
     assert not [e for e in results.errors if not e.startswith("sync 1.7b")], results.errors
