@@ -29,6 +29,12 @@ Resource name prefix: the release name (or fullnameOverride). At most 40 charact
 {{- define "podrl.runSecretDir" -}}/var/run/secrets/podrl{{- end -}}
 {{- define "podrl.runSecretFile" -}}{{ include "podrl.runSecretDir" . }}/run-secret{{- end -}}
 
+{{/* The pod's weights key (podrl.weights.keys): a memory-backed emptyDir that only the
+trainer and the generator mount; the trainer creates the key there at its first start, the
+generator reads it. It lives as long as the pod, so a restarted container keeps it. */}}
+{{- define "podrl.weightsKeyDir" -}}/var/run/podrl/weights-key{{- end -}}
+{{- define "podrl.weightsKeyFile" -}}{{ include "podrl.weightsKeyDir" . }}/key{{- end -}}
+
 {{/* The model folder the trainer and the generator load (model.mountPath + model.folder). */}}
 {{- define "podrl.modelPath" -}}
 {{- $mount := trimSuffix "/" .Values.model.mountPath -}}
