@@ -74,6 +74,14 @@ class WorkerClients:
         """Deadline of work calls (generate, score, train, checkpoint)."""
         return self.config.long_call_timeout_seconds
 
+    def forget(self, address: str) -> None:
+        """Drop the channel to ``address``: the process there was replaced (a channel to the
+        old one may sit in reconnect backoff and fail calls to the new one at once)."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():

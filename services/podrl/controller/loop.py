@@ -102,8 +102,11 @@ class GrpoLoop:
         # a trainer may still hold as its last applied batch.
         self._batch_prefix = f"{config.name}:{uuid.uuid4().hex[:8]}"
         self._joining: set[str] = set()
-        self._replicas: set[str] = set()
-        """Pods whose trainers were sent a Train in this run (torchft replicas)."""
+        self._replicas: dict[str, str] = {}
+        """Pod id → the incarnation of its trainer process last sent a Train (a torchft
+        replica heartbeating to the Lighthouse)."""
+        self._seen: dict[str, Pod] = {}
+        """Each pod as last admitted: a pod whose processes changed gets new channels."""
 
     # -- workers ---------------------------------------------------------------------------------
     def _lead(self) -> Pod:
@@ -124,18 +127,27 @@ class GrpoLoop:
         self.roster.drop(pod_id, reason)
 
     def _train_set(self) -> dict[str, str]:
-        """Pod id → trainer address of every trainer this step's Train goes to: the roster's,
-        and every other healthy trainer that has trained in this run (a pod that lost its
-        generator or grader mid-step, say). torchft's Lighthouse counts the trainers that
-        heartbeat to it, and one that is not sent a step holds the others' quorum until its
-        timeout (docs/scaling.md, "Trainers across pods"); an empty share is fine."""
-        trainers = {pod.id: pod.trainer for pod in self.roster.pods()}
-        terminating = self.roster.terminating()
+        """Pod id → trainer address of every trainer this step's Train goes to: each healthy
+        trainer of the roster's pods, and every other healthy trainer process that has trained
+        in this run (a pod that lost its generator or grader mid-step, say). torchft's
+        Lighthouse counts the trainers that heartbeat to it (from their first Train on), and
+        one that is not sent a step holds the others' quorum until its timeout
+        (docs/scaling.md, "Trainers across pods"); an empty share is fine. A trainer that is
+        draining or gone is left out (its pod leaves the roster)."""
         healthy = self.state.registry.healthy_members(controller_pb2.COMPONENT_TRAINER)
-        for pod_id, address in healthy.items():
-            if pod_id in self._replicas and pod_id not in trainers and pod_id not in terminating:
-                trainers[pod_id] = address
-        self._replicas |= set(trainers)
+        terminating = self.roster.terminating()
+        trainers: dict[str, str] = {}
+        for pod in self.roster.pods():
+            member = healthy.get(pod.id)
+            if member is None or member.incarnation != pod.incarnations[0] or pod.id in terminating:
+                self.roster.drop(pod.id, "its trainer is draining, terminating or gone")
+            else:
+                trainers[pod.id] = pod.trainer
+        for pod_id, member in healthy.items():
+            if self._replicas.get(pod_id) == member.incarnation and pod_id not in terminating:
+                trainers.setdefault(pod_id, member.address)
+        for pod_id in trainers:
+            self._replicas[pod_id] = healthy[pod_id].incarnation
         return {pod_id: trainers[pod_id] for pod_id in sorted(trainers, key=pod_order)}
 
     def _lost(self, pod: Pod) -> bool:
@@ -185,6 +197,12 @@ class GrpoLoop:
         pods = self.roster.admit()
         if not pods:
             raise StepFailedError("align", "no complete, healthy worker pod is registered")
+        for pod in pods:
+            before = self._seen.get(pod.id)
+            if before is not None and before != pod:  # a process restarted: fresh channels
+                for address in {before.trainer, before.generator, before.grader}:
+                    self.clients.forget(address)
+            self._seen[pod.id] = pod
         versions = self._trainer_versions(pods)
         ahead = {pod: v for pod, v in versions.items() if v > expected}
         if ahead:

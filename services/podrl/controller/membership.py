@@ -283,12 +283,12 @@ class MemberRegistry:
             by_pod.setdefault(view.worker_id, []).append(view)
         return by_pod
 
-    def healthy_members(self, component: int) -> dict[str, str]:
-        """Worker id → address of every healthy process of ``component``."""
+    def healthy_members(self, component: int) -> dict[str, Member]:
+        """Worker id → a copy of every healthy process of ``component``."""
         now = self._clock()
         with self._lock:
             return {
-                m.worker_id: m.address
+                m.worker_id: dataclasses.replace(m)
                 for m in self._members.values()
                 if m.component == component and self._healthy(m, now)
             }
