@@ -1,13 +1,18 @@
 """The chart gives the pod's weights key (podrl.weights.keys) to the trainer and the generator
 only: a memory-backed emptyDir of the pod, mounted in those two containers, named by
-PODRL_WEIGHTS_KEY_FILE; the grader, the init container and the controller never see it."""
+PODRL_WEIGHTS_KEY_FILE; the grader, the init container and the controller never see it.
+docker-compose the same way, in the /dev/shm only those two share."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from tests.k8s.manifests import container, env_map, pod_specs, render, worker_pod
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 KEY_DIR = "/var/run/podrl/weights-key"
 FIELDS = {"metadata.name": "p-0", "metadata.namespace": "podrl", "status.podIP": "10.0.0.9"}
 
@@ -41,3 +46,17 @@ def test_only_trainer_and_generator_get_the_weights_key(values: dict) -> None:
                 c["name"],
             )
             assert "PODRL_WEIGHTS_KEY_FILE" not in {e["name"] for e in c.get("env", [])}
+
+
+def test_compose_gives_the_key_to_trainer_and_generator_in_their_own_shm() -> None:
+    """docker-compose: the key file lies in the /dev/shm that only a trainer and the generator
+    joined to its IPC namespace share; no other service names it."""
+    services = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())["services"]
+    for name, service in services.items():
+        key = service.get("environment", {}).get("PODRL_WEIGHTS_KEY_FILE")
+        if name.startswith(("trainer", "generator")):
+            assert key == "/dev/shm/podrl-weights-key", name
+        else:
+            assert key is None, name
+        if name.startswith("generator"):
+            assert service["ipc"] == f"service:{name.replace('generator', 'trainer')}"
