@@ -29,9 +29,10 @@ class GeneratorConfig(ServiceSection):
     )
     create_tiny_model_if_missing: bool = Field(
         True,
-        description="If `model_path` has no config.json, write the tiny Qwen3 there first "
-        "(podrl.models.tiny.make_tiny_model) so `podrl up` works out of the box. Turn off for "
-        "real models: a missing folder is then a start-up error.",
+        description="If the model folder has no config.json, write the tiny Qwen3 there first "
+        "(podrl.models.tiny.make_tiny_model) so `podrl up` works out of the box. By default "
+        "only for the default folder (`model_path` unset): a configured `model_path` without a "
+        "model is a start-up error unless this is set to true explicitly.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
