@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.common.processes import free_ports
 from podrl.v1 import generator_pb2_grpc
+from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV, WeightsKey, read_key_file, write_fresh_key_file
 from tests.foundation.run_secret import authed_channel
 
 WORKER_ID = "generator-test-worker"
@@ -35,6 +36,13 @@ class GeneratorProcess:
     early_generate_code: grpc.StatusCode | None = None
     """Status of a Generate call made while the engine was still loading."""
     ready_seconds: float = 0.0
+    key_file: Path | None = None
+    """The pod's weights key (PODRL_WEIGHTS_KEY_FILE): the tests' trainer signs with it."""
+
+    @property
+    def key(self) -> WeightsKey:
+        assert self.key_file is not None
+        return read_key_file(self.key_file)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -52,10 +60,12 @@ def health_status(channel: grpc.Channel, service: str = "podrl.v1.Generator") ->
 
 def start_generator(run_dir: Path, extra_env: dict[str, str] | None = None) -> GeneratorProcess:
     """Start ``python -m podrl.generator`` with the tiny model under ``run_dir`` (created by the
-    service itself) and wait until it reports SERVING."""
+    service itself) and a fresh weights key, and wait until it reports SERVING."""
     from podrl.v1 import common_pb2, generator_pb2
 
     grpc_port, controller_port = free_ports(2)
+    key_file = run_dir / "weights-key"
+    write_fresh_key_file(key_file)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -66,6 +76,7 @@ def start_generator(run_dir: Path, extra_env: dict[str, str] | None = None) -> G
         "PODRL_GENERATOR__METRICS_PORT": "0",
         # No controller in these tests: registration retries in the background, harmlessly.
         "PODRL_CONTROLLER__GRPC_PORT": str(controller_port),
+        WEIGHTS_KEY_FILE_ENV: str(key_file),
         **(extra_env or {}),
     }
     log_path = run_dir / "generator.log"
@@ -88,6 +99,7 @@ def start_generator(run_dir: Path, extra_env: dict[str, str] | None = None) -> G
         log_path=log_path,
         channel=channel,
         stub=generator_pb2_grpc.GeneratorStub(channel),
+        key_file=key_file,
     )
     deadline = started + 400
     while time.monotonic() < deadline:

@@ -45,6 +45,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
     from podrl.trainer.parallel import load_hf_model, parallelize
     from podrl.weights import ManifestAssembler, WeightPublisher
     from podrl.weights.distributed import gather_publications
+    from podrl.weights.keys import load_trainer_key
 
     out = Path(out_dir)
     model = load_hf_model(Path(model_dir), "sdpa")
@@ -55,7 +56,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
     parallelize(model, mesh, torch.device("cpu"), trainable=False)
     publisher_ = WeightPublisher(model, rank=rank)
-    assembler = ManifestAssembler(publisher)
+    # Signed with the pod's key, as the trainer service does (PODRL_WEIGHTS_KEY_FILE).
+    assembler = ManifestAssembler(publisher, load_trainer_key() if rank == 0 else None)
     for version in (1, 2):
         if version == 2:
             wait_for(out / "ack-1", timeout=600)

@@ -35,7 +35,7 @@ class Policy:
         self.model.eval()
         self.version = 0
         self.publisher = WeightPublisher(self.model)
-        self.assembler = ManifestAssembler(WORKER_ID)
+        self.assembler = ManifestAssembler(WORKER_ID, generator.key)
         self.lock = threading.Lock()
         self.snapshots: dict[int, Snapshot] = {0: self.snapshot()}
         """The weights of every version published, to check samples against."""

@@ -23,6 +23,7 @@ import pytest
 from podrl.common.processes import free_ports
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
 from podrl.weights import shm
+from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV
 from tests.generator.conftest import WORKER_ID, GeneratorProcess, stop_generator
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,12 @@ def test_fsdp2_trainer_to_vllm_generator(generator: GeneratorProcess, tmp_path: 
     out = tmp_path / "exchange"
     out.mkdir()
     (port,) = free_ports(1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO_ROOT),
+        WEIGHTS_KEY_FILE_ENV: str(generator.key_file),
+    }
     ranks = [
         subprocess.Popen(
             [

@@ -241,8 +241,10 @@ def test_bad_manifests_are_rejected_and_old_weights_keep_serving(
     version = policy.version - 1 if how == "stale" else policy.version + 1
     good = policy.manifest(version, force_full=True)
     policy.publisher.acknowledge(version)
+    bad = _corrupt(good, how)
+    generator.key.sign(bad)  # signed by the pod's trainer: the generator's other checks refuse it
     with pytest.raises(grpc.RpcError) as err:
-        apply(generator, _corrupt(good, how))
+        apply(generator, bad)
     assert err.value.code() == code, err.value.details()
     after = generate(generator, n=2, seed=51)
     assert [list(s.token_ids) for s in after.samples] == [list(s.token_ids) for s in before.samples]

@@ -78,6 +78,28 @@ def test_rollback_takes_an_older_version_as_a_full_manifest_only() -> None:
     assert weights.state == WeightState(WeightPhase.IDLE, 3, OTHER_STORAGE)
 
 
+def test_probe_19_a_rollback_never_rewrites_the_served_version() -> None:
+    """Probe row 19: rollback=True at the served version with other weights was accepted (the
+    version stayed, the weights changed). A rollback must go to an older version, in every
+    phase; the served version from other storage is stale, rollback or not."""
+    weights = WorkerWeights()
+    applied(weights, manifest(5))
+    for version in (5, 6):
+        message = refused(
+            weights.state,
+            manifest(version, OTHER_STORAGE),
+            ManifestErrorKind.STALE_VERSION,
+            rollback=True,
+        )
+        assert "older version" in message
+    refused(weights.state, manifest(5, OTHER_STORAGE), ManifestErrorKind.STALE_VERSION)
+    weights.weights_dropped("a level-2 sleep dropped the weights")
+    refused(
+        weights.state, manifest(5, OTHER_STORAGE), ManifestErrorKind.STALE_VERSION, rollback=True
+    )
+    assert weights.state.admit(manifest(4, OTHER_STORAGE), rollback=True) is Admission.APPLY
+
+
 def test_a_failure_before_the_served_weights_are_touched_keeps_the_previous_version() -> None:
     weights = WorkerWeights()
     applied(weights, manifest(1))

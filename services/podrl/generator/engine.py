@@ -15,6 +15,16 @@ keeps no counter, only a mirror of the state the workers send back with every re
 that passes its caller's deadline keeps the write lock while the workers may still be writing,
 for at most ``weight_apply_overrun_seconds`` more; after that the mirror says needs_full (Generate
 refused) until the next ApplyWeights has waited for that apply and re-read the workers' state.
+
+Before an ApplyWeights takes the write lock, the manifest must carry the MAC of the pod's weights
+key (``podrl.weights.keys``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a
+forged or oversized manifest is refused (PERMISSION_DENIED / INVALID_ARGUMENT) without holding
+back a single Generate and without touching the weight state. Generate never answers with a
+logprob that is not finite (:class:`NonFiniteOutputError`).
+
+None of vLLM's processes outlives the generator, not even a SIGKILL of it
+(``podrl.generator.engine_processes``); the names of vLLM's shared-memory segments are recorded
+at start, so the next start unlinks them if this generator was killed.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -31,6 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from podrl.config.generator import GeneratorConfig
+from podrl.generator import engine_processes
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
@@ -43,6 +56,7 @@ from podrl.generator.weight_state import (
 )
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import ManifestError, ManifestErrorKind
+from podrl.weights.keys import GeneratorKey
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +75,11 @@ class SleepUnsupportedError(RuntimeError):
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked (e.g. prompt too long); the message says why."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """The served weights produced a logprob that is NaN or infinite (→ FAILED_PRECONDITION):
+    such samples are never returned."""
 
 
 class ApplyDeadlineError(TimeoutError):
@@ -145,21 +164,40 @@ class VllmEngine:
         )
         self._engine: Any = None
         self.facts: EngineFacts | None = None
+        self._key = GeneratorKey()
+        self._parameter_count = 0
+        self.max_prompt_chars: int | None = None
+        """Prompt texts longer than this cannot fit ``max_model_len`` tokens: refused before
+        tokenising (None: the tokenizer did not say how long its tokens are)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> EngineFacts:
         """Load the engine (blocks; ~20-60 s for the tiny model on a 2-core CPU)."""
+        from podrl.weights.architectures import ModelDescription
+
         started = time.perf_counter()
         vllm_version = check_vllm_version()
+        self._parameter_count = len(ModelDescription.from_pretrained(self._model_path).params)
+        engine_processes.children_die_with_generator()
         self._thread.start()
         self._engine = self._run(self._build(), self._config.engine_start_timeout_seconds)
         replies = self._run(
-            self._engine.collective_rpc("podrl_describe", args=(self._config.weight_apply_mode,)),
+            self._engine.collective_rpc(
+                "podrl_describe", args=(self._config.weight_apply_mode, os.getpid())
+            ),
             self._config.engine_start_timeout_seconds,
         )
         self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
         described = replies[0]
+        longest = _longest_token_bytes(self._engine.get_tokenizer())
+        if longest is not None:
+            self.max_prompt_chars = self._config.max_model_len * longest
+        try:
+            recorded = engine_processes.record_engine_segments()
+            log.info("recorded %d shared-memory segments of the engine", len(recorded))
+        except OSError as err:
+            log.warning("cannot record the engine's shared-memory segments: %s", err)
         from vllm.platforms import current_platform
 
         self.facts = EngineFacts(
@@ -219,6 +257,7 @@ class VllmEngine:
             # engine core go away (else it logs a spurious EngineDeadError).
             self._run(self._shutdown_engine(), 120)
             self._engine = None
+            engine_processes.forget_engine_segments()
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -277,9 +316,17 @@ class VllmEngine:
                     raise
         finally:
             self._admission.release()
-        return GenerateResult(
-            prompts=[_prompt_completions(out) for out in outputs], policy_version=version
-        )
+        prompts = [_prompt_completions(out) for out in outputs]
+        for prompt in prompts:
+            for completion in prompt.completions:
+                # NaN and infinities propagate through the sum (finite logprobs never overflow).
+                if not math.isfinite(sum(completion.logprobs)):
+                    raise NonFiniteOutputError(
+                        f"policy version {version} produced a logprob that is NaN or infinite; "
+                        "its weights are broken: no sample is returned (apply a full manifest "
+                        "of good weights)"
+                    )
+        return GenerateResult(prompts=prompts, policy_version=version)
 
     def _sampling_params(self, sampling: SamplingRequest) -> Any:
         from vllm import SamplingParams
@@ -299,7 +346,7 @@ class VllmEngine:
                 # only the samples that advanced).
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-        except ValueError as err:
+        except request_errors() as err:  # vLLM's checks, e.g. n above its cap
             raise InvalidRequestError(f"sampling: {err}") from None
 
     async def _generate_all(
@@ -334,7 +381,12 @@ class VllmEngine:
         Applying the version already served from the same storage again is a no-op success, so
         a caller that lost the reply can simply retry. ``rollback`` accepts an older version
         (the trainer restarted from a checkpoint): full manifests only, handles reopened."""
+        from podrl.weights.receiver import check_shard_count
+
         deadline = deadline_after(timeout)
+        # Outside the write lock, so Generate never waits for a manifest that is refused.
+        check_shard_count(manifest, self._parameter_count)
+        key = self._key.verify(manifest)
         with self._lock.write(timeout):
             self._require_weights_resident()
             self._settle_unsettled_apply(deadline)
@@ -348,6 +400,7 @@ class VllmEngine:
                         self._config.weight_apply_mode,
                         self._trusted_publisher_id,
                         rollback,
+                        key.owner_uid,
                     ),
                 ),
                 self._loop,
@@ -507,6 +560,18 @@ class VllmEngine:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+def _longest_token_bytes(tokenizer: Any) -> int | None:
+    """UTF-8 bytes of the tokenizer's longest vocabulary entry: no token stands for more bytes
+    of text (byte-level and sentencepiece spellings are at least as long as what they stand
+    for), so a text of more than ``max_model_len`` x this many bytes has too many tokens."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary: the message size is the bound
+        log.warning("the tokenizer lists no vocabulary: prompts are not capped before tokenising")
+        return None
+    return max((len(str(token).encode()) for token in vocab), default=None)
 
 
 def _prompt_completions(output: Any) -> PromptCompletions:

@@ -1,8 +1,10 @@
 """``podrl-generator``: the generator service process.
 
 Start-up: the gRPC server starts at once (health NOT_SERVING), then the model folder is made
-ready (the tiny model is written if configured) and the vLLM engine loads; only then does health
-turn SERVING and the generator register with the controller. On SIGTERM the engine shuts down
+ready (the tiny model is written only where the config asks for it,
+``podrl.models.folders.may_write_tiny_model``), the shared memory of vLLM engines whose
+generator was killed is unlinked, and the vLLM engine loads; only then does health turn SERVING
+and the generator register with the controller. On SIGTERM the engine shuts down
 after in-flight RPCs finished (``on_close``).
 """
 
@@ -12,9 +14,10 @@ from collections.abc import Sequence
 
 from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
+from podrl.generator import engine_processes
 from podrl.generator.engine import VllmEngine
 from podrl.generator.servicer import GeneratorServicer
-from podrl.models.folders import ensure_model_folder
+from podrl.models.folders import ensure_model_folder, may_write_tiny_model
 from podrl.v1 import generator_pb2_grpc
 
 
@@ -27,7 +30,9 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     servicer = GeneratorServicer(config, engine)
 
     def load_engine() -> None:
-        ensure_model_folder(model_path, gen.create_tiny_model_if_missing)
+        ensure_model_folder(model_path, may_write_tiny_model(gen))
+        # Segments of an engine whose generator was killed (podrl.generator.engine_processes).
+        engine_processes.reap_dead_engine_segments()
         engine.start()
         servicer.mark_ready()
 

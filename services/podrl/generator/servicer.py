@@ -1,14 +1,19 @@
 """gRPC Generator service: protobuf in and out, status codes; the work is ``VllmEngine``'s.
 
 Status codes:
-- Generate: INVALID_ARGUMENT for bad sampling values or prompts; UNAVAILABLE while the engine
-  loads; FAILED_PRECONDITION while asleep or while the weight state is needs_full (the message
-  says "needs a full manifest"); DEADLINE_EXCEEDED when the caller's deadline passes (the engine
-  aborts the requests).
-- ApplyWeights: INVALID_ARGUMENT for a manifest that does not describe this model (names,
-  shapes, dtypes, tiling); FAILED_PRECONDITION for a stale or out-of-order version, a
-  version-only manifest for unknown storage or while needs_full, an untrusted publisher or
-  storage that cannot be opened: nothing was written, the weight state is unchanged.
+- Generate: INVALID_ARGUMENT for bad sampling values (temperature NaN or infinite, n > 1 with
+  greedy sampling, n above vLLM's cap) or prompts (a text too long for ``max_model_len`` is
+  refused by its length before it is tokenised); UNAVAILABLE while the engine loads;
+  FAILED_PRECONDITION while asleep, while the weight state is needs_full (the message says
+  "needs a full manifest") or when the served weights produced a logprob that is not finite (no
+  sample is returned); DEADLINE_EXCEEDED when the caller's deadline passes (the engine aborts
+  the requests).
+- ApplyWeights: PERMISSION_DENIED for a manifest without the MAC of the pod's weights key;
+  INVALID_ARGUMENT for a manifest that does not describe this model (names, shapes, dtypes,
+  tiling, shard counts over the caps); FAILED_PRECONDITION for a stale or out-of-order version
+  (a rollback not to an older version included), a version-only manifest for unknown storage
+  or while needs_full, an untrusted publisher, storage that cannot be opened or is unsafe, or
+  weights that are not finite: nothing was written, the weight state is unchanged.
   A write that failed part-way answers FAILED_PRECONDITION "needs a full manifest" (the state
   is needs_full; the controller then sends the full manifest), one that failed before vLLM's
   parameters were touched ABORTED (the previous version keeps serving; retry).
@@ -19,6 +24,7 @@ Status codes:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import grpc
@@ -28,6 +34,7 @@ from podrl.config import RunConfig
 from podrl.generator.engine import (
     GeneratorUnavailableError,
     InvalidRequestError,
+    NonFiniteOutputError,
     SamplingRequest,
     SleepUnsupportedError,
     VllmEngine,
@@ -51,8 +58,16 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
     set max_tokens (≥ 1). temperature 0 is greedy sampling."""
     if params.max_tokens < 1:
         raise InvalidRequestError("sampling.max_tokens must be ≥ 1")
-    if params.temperature < 0:
-        raise InvalidRequestError("sampling.temperature must be ≥ 0 (0 = greedy)")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidRequestError(
+            f"sampling.temperature must be a finite number ≥ 0 (0 = greedy), not "
+            f"{params.temperature}"
+        )
+    if params.temperature == 0 and params.n > 1:
+        raise InvalidRequestError(
+            f"sampling.n must be 1 with greedy sampling (temperature 0): its {params.n} samples "
+            "would all be the same; set a temperature > 0 for n > 1"
+        )
     if not 0.0 <= params.top_p <= 1.0:
         raise InvalidRequestError("sampling.top_p must be in [0, 1] (0 = no nucleus filter)")
     if params.top_k < -1:
@@ -92,7 +107,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         try:
             sampling = sampling_from_proto(request.sampling)
             token_ids = []
+            longest = self._engine.max_prompt_chars
             for i, prompt in enumerate(request.prompts):
+                if not prompt.token_ids and longest is not None and len(prompt.text) > longest:
+                    # Before the tokenizer sees it: one 100 MB prompt took 21 GB and minutes.
+                    raise InvalidRequestError(
+                        f"prompts[{i}].text: {len(prompt.text)} characters cannot fit "
+                        f"generator.max_model_len ({self._config.generator.max_model_len}) "
+                        f"tokens (at most {longest} characters can); shorten the prompt"
+                    )
                 ids = list(prompt.token_ids) or self._engine.tokenize(prompt.text)
                 if not ids:
                     raise InvalidRequestError(f"prompts[{i}]: neither token_ids nor text given")
@@ -107,6 +130,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except (GeneratorUnavailableError, WeightsNotServableError) as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except NonFiniteOutputError as err:
+            log.error("%s", err)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except (TimeoutError, LockTimeoutError) as err:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"generate: {err or 'deadline'}")

@@ -86,7 +86,7 @@ class WeightState:
         nothing is written) with a FAILED_PRECONDITION kind otherwise.
 
         ``rollback`` accepts an older version (the trainer went back to a checkpoint), as a
-        full manifest only."""
+        full manifest only, and only a version older than the last one applied."""
         version = manifest.version
         if manifest.version_only and (rollback or self.phase is WeightPhase.NEEDS_FULL):
             why = "a rollback" if rollback else self.reason
@@ -96,6 +96,14 @@ class WeightState:
                 f"{NEEDS_FULL_HINT}: publish with force_full",
             )
         if rollback:
+            # Back to a checkpoint means an older version: never a relabelled or rewritten
+            # served one (the weights of "version v" must stay those of version v).
+            if version >= self.version:
+                raise ManifestError(
+                    ManifestErrorKind.STALE_VERSION,
+                    f"a rollback must go to an older version than {self.version} (the last "
+                    f"version applied), not to {version}; send newer versions without rollback",
+                )
             return Admission.APPLY
         if self.phase is WeightPhase.NEEDS_FULL:
             # The served weights are unknown, so the last good version may be written again.

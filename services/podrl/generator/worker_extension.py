@@ -88,8 +88,17 @@ class PodrlWorkerExtension:
 
     # ---- what the service asks the workers -------------------------------------------------
 
-    def podrl_describe(self, mode: str = "auto") -> dict[str, Any]:
-        """Device, the apply mode ``mode`` resolves to, the live parameter shapes, the state."""
+    def podrl_describe(
+        self, mode: str = "auto", generator_pid: int | None = None
+    ) -> dict[str, Any]:
+        """Device, the apply mode ``mode`` resolves to, the live parameter shapes, the state.
+
+        Called once per worker when the engine starts: from then on nothing of the engine
+        outlives the generator ``generator_pid`` (``engine_processes.die_with_generator``)."""
+        if generator_pid is not None:
+            from podrl.generator.engine_processes import die_with_generator
+
+            die_with_generator(generator_pid)
         model = self.model_runner.get_model()
         return {
             "device": str(self.device),
@@ -105,7 +114,12 @@ class PodrlWorkerExtension:
         return self._podrl_state().state.to_wire()
 
     def podrl_apply_manifest(
-        self, manifest_bytes: bytes, mode: str, trusted_publisher_id: str, rollback: bool = False
+        self,
+        manifest_bytes: bytes,
+        mode: str,
+        trusted_publisher_id: str,
+        rollback: bool = False,
+        segment_owner_uid: int | None = None,
     ) -> dict[str, Any]:
         """Apply a serialised ``podrl.v1.WeightManifest`` (full or version-only).
 
@@ -114,7 +128,9 @@ class PodrlWorkerExtension:
         fingerprint and runs its cached copy plan: in ``in_place`` mode straight into vLLM's
         parameters, in ``reload`` mode into full HF-named buffers that vLLM's layer-wise reload
         then loads. ``rollback`` accepts an older version (full manifests only) and reopens
-        every handle.
+        every handle. ``segment_owner_uid``: the user whose shared-memory segments may be
+        opened (the owner of the pod's weights key: the trainer's). The engine checked the
+        manifest's MAC before sending it.
 
         Returns ``{"mode", "plan_cached", "seconds", "state"}``; a refused manifest returns
         ``{"error_kind", "error_message", "error_name", "state"}`` (nothing written), a failed
@@ -139,6 +155,8 @@ class PodrlWorkerExtension:
             if rollback:  # the trainer restarted: its storage is new, reopen everything
                 self.podrl_release_weights()
             receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
+            if segment_owner_uid is not None:
+                receiver.segment_owner_uid = segment_owner_uid
             # A refusal from the receiver comes before it writes anything: the block then
             # leaves the state as it was.
             with weights.applying(manifest.version, manifest.model_fingerprint) as guard:

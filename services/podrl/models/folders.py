@@ -3,7 +3,11 @@
 The trainer and the generator of a pod both resolve `<run_dir>/models/tiny` when no model is
 configured and may start together: whichever comes first writes it, the other uses it.
 
-Nothing is written unless the caller allows the tiny model (``create_tiny_model_if_missing``).
+Nothing is written unless the caller allows the tiny model (``create_tiny_model_if_missing``),
+and the generator allows it only where the config asks for it (:func:`may_write_tiny_model`): a
+configured model folder that is missing is an error, never a random model written in its place
+(which the next run would have trained, silently). ``podrl up`` checks the configured folders
+before it starts anything (:func:`check_model_folders`).
 A folder that cannot be read or written (a read-only mount, a read-only root filesystem, no
 permission) is a ModelFolderError naming the config field, never a bare OSError: on Kubernetes
 a bare OSError is a crash with a traceback, a ConfigError is exit code 2 with the fix.
@@ -16,8 +20,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
-from podrl.config import ConfigError
+from podrl.config import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,45 @@ def ensure_model_folder(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+class _GeneratorModel(Protocol):
+    model_path: Path | None
+    create_tiny_model_if_missing: bool
+    model_fields_set: set[str]
+
+
+def may_write_tiny_model(generator: _GeneratorModel) -> bool:
+    """Whether the generator may write the tiny model where its model folder is missing: only
+    for the default folder (no ``model_path`` configured, the trainer's default too), or when
+    ``create_tiny_model_if_missing: true`` is set explicitly; never for a configured folder by
+    the field's default."""
+    if not generator.create_tiny_model_if_missing:
+        return False
+    return (
+        generator.model_path is None or "create_tiny_model_if_missing" in generator.model_fields_set
+    )
+
+
+def check_model_folders(config: RunConfig) -> None:
+    """Raise ModelFolderError naming the field when a configured model folder of the trainer
+    or the generator holds no model and nothing may write one there (reads only)."""
+    trainer_path = config.trainer.model_path
+    if trainer_path is not None and not _has_model(Path(trainer_path), "trainer.model_path"):
+        raise ModelFolderError(
+            f"trainer.model_path: {trainer_path} has no config.json; point it at a Hugging "
+            "Face model folder (`podrl make-tiny-model DIR` writes a small one)"
+        )
+    generator = config.generator
+    if generator.model_path is None or may_write_tiny_model(generator):
+        return
+    if not _has_model(generator.model_path, "generator.model_path"):
+        raise ModelFolderError(
+            f"generator.model_path: {generator.model_path} has no config.json; point it at a "
+            "Hugging Face model folder (`podrl make-tiny-model DIR` writes a small one), or "
+            "set generator.create_tiny_model_if_missing: true to have a random tiny model "
+            "written there"
+        )
 
 
 def default_model_folder(run_dir: Path) -> Path:
