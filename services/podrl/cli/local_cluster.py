@@ -17,6 +17,7 @@ with ``max_worker_pods: 1`` there is none and the trainer trains alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -37,6 +38,8 @@ from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
 from podrl.controller.scaling import LocalScaler
+from podrl.generator.engine_processes import reap_dead_engine_segments
+from podrl.models.folders import check_model_folders
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,16 @@ CONFIG_ERROR_EXIT = 2
 
 def pod_name(ordinal: int) -> str:
     return f"local-{ordinal}"
+
+
+def kill_process_group(child: Child) -> None:
+    """SIGKILL what is left of ``child``'s process group once the child itself has ended: each
+    service leads a group of its own (``start_new_session``), which the processes it starts
+    (vLLM's engine core and workers) inherit, so nothing of a killed service lives on."""
+    if child.process.poll() is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.process.pid, signal.SIGKILL)
 
 
 class ChildExitedError(RuntimeError):
@@ -118,6 +131,10 @@ class LocalCluster:
         pods: int | None = None,
         on_event: Callable[[str], None] | None = None,
     ) -> None:
+        # A configured model folder without a model stops the run here (a ConfigError, so
+        # `podrl up`/`run` exit 2 naming the field), before any service could write a random
+        # model in its place.
+        check_model_folders(config)
         self.config = config
         self.config_path = config_path
         self.on_event = on_event or (lambda message: log.info("%s", message))
@@ -399,6 +416,7 @@ class LocalCluster:
                         f"{child.name} {child.exit_description()}; starting it again "
                         f"(restart {child.restarts + 1}/{MAX_RESTARTS})"
                     )
+                    kill_process_group(child)  # what it started (vLLM's engine) goes too
                     pod.children[service] = self._spawn_service(
                         ordinal, service, child.restarts + 1
                     )
@@ -456,3 +474,6 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     child.process.kill()
                     child.process.wait()
+                kill_process_group(child)
+        # Shared memory of a vLLM engine whose generator was killed (podrl.generator).
+        reap_dead_engine_segments()
