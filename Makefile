@@ -35,9 +35,10 @@ $(STAMP): pyproject.toml constraints.txt
 # runs/demo/export (docs/demo.md).
 DEMO_CONFIG ?= examples/demo.yaml
 WARM_START_STEPS ?= 30
+WARM_START_LR ?= 2e-4
 demo: setup
 	rm -rf runs/demo
-	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps $(WARM_START_STEPS)
+	$(BIN)/podrl warm-start $(DEMO_CONFIG) --steps $(WARM_START_STEPS) --lr $(WARM_START_LR)
 	$(BIN)/podrl run $(DEMO_CONFIG)
 
 test: lint
