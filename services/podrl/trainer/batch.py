@@ -16,6 +16,13 @@ from podrl.algorithms.losses import BatchTotals
 from podrl.trainer.packing import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG
 from podrl.v1 import trainer_pb2
 
+MAX_ABS_ADVANTAGE = 1e4
+"""Largest |advantage| a Train accepts. Group-relative advantages are a few units (rewards minus
+the group mean, std-normalised or not); 3e38 is finite, yet it turned every weight into NaN."""
+MIN_GENERATOR_LOGPROB = -1e4
+"""Smallest generator logprob a Train accepts: a sampled token's log-probability is never
+near it, and the importance ratio exp(new - old) of a smaller one overflows."""
+
 
 class BatchError(ValueError):
     """The Train request cannot be trained on; the message names the field (→ INVALID_ARGUMENT)."""
@@ -50,14 +57,23 @@ def validate_train_request(
                 f"{where}.generator_logprobs: {len(seq.generator_logprobs)} values for "
                 f"{len(seq.completion_ids)} completion tokens; send one logprob per token"
             )
-        bad = [x for x in seq.generator_logprobs if not math.isfinite(x) or x > 1e-4]
+        bad = [
+            x
+            for x in seq.generator_logprobs
+            if not math.isfinite(x) or x > 1e-4 or x < MIN_GENERATOR_LOGPROB
+        ]
         if bad:
             problems.append(
                 f"{where}.generator_logprobs: {len(bad)} value(s) not a finite log-probability "
-                f"<= 0 (e.g. {bad[0]})"
+                f"in [{MIN_GENERATOR_LOGPROB:g}, 0] (e.g. {bad[0]})"
             )
         if not math.isfinite(seq.advantage):
             problems.append(f"{where}.advantage: {seq.advantage} is not finite")
+        elif abs(seq.advantage) > MAX_ABS_ADVANTAGE:
+            problems.append(
+                f"{where}.advantage: {seq.advantage:g} lies outside ±{MAX_ABS_ADVANTAGE:g}; "
+                "group-relative advantages are a few units (check the rewards)"
+            )
         if seq.policy_version > policy_version:
             problems.append(
                 f"{where}.policy_version: {seq.policy_version} is newer than the trainer's "

@@ -8,6 +8,7 @@ method with the same arguments.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,26 @@ class StepAbortedError(RuntimeError):
     """A rank failed before the optimizer step, so no rank stepped: weights, optimizer state,
     schedule and policy version are unchanged on every rank (→ ABORTED: the batch may be sent
     again)."""
+
+
+class NonFiniteStepError(StepAbortedError):
+    """The step's loss or gradient norm is NaN or infinite: no rank stepped, nothing changed
+    (→ FAILED_PRECONDITION: the same batch on the same weights would fail again)."""
+
+
+def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:
+    """Every rank computes the same reduced loss and global gradient norm, so every rank
+    raises alike; the agreement then makes it all or nothing anyway."""
+    bad = [
+        f"{name} is {value}"
+        for name, value in (("loss", loss), ("grad_norm", grad_norm))
+        if not math.isfinite(value)
+    ]
+    if bad:
+        raise NonFiniteStepError(
+            f"the step to version {version + 1} is not finite ({', '.join(bad)}): no update "
+            "was applied; check the batch (advantages, logprobs) and the learning rate"
+        )
 
 
 @dataclass(frozen=True)
@@ -313,6 +334,8 @@ class TrainerEngine:
                         sums, diff_max, self.model.parameters(), version
                     )
                 grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
+                # NaN/inf never reach the weights (a 3e38 advantage once made every one NaN).
+                _require_finite_step(float(sums[0]), grad_norm, version)
                 faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
             except Exception as err:
                 failure = err
@@ -470,6 +493,11 @@ class TrainerEngine:
                 version + 1,
                 exc_info=failure,
             )
+        if isinstance(failure, NonFiniteStepError):
+            raise NonFiniteStepError(
+                f"{failure} (trainer rank(s) {ranks}; policy version {version} is unchanged on "
+                "every rank)"
+            ) from failure
         own = f" (rank {self.env.rank}: {type(failure).__name__}: {failure})" if failure else ""
         raise StepAbortedError(
             f"trainer rank(s) {ranks} failed {phase}{own}; no rank stepped, the weights, the "

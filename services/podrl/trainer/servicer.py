@@ -6,8 +6,9 @@ commands (``podrl.weights.trainer_weight_sync``).
 Train (docs/trainer.md):
 
 * all or nothing over every rank (``TrainerEngine.train_step``): a rank failing before the
-  optimizer step → ABORTED, nothing changed anywhere, the batch may be sent again; any other
-  failure → INTERNAL;
+  optimizer step → ABORTED, nothing changed anywhere, the batch may be sent again; a loss or
+  gradient norm that is NaN or infinite → FAILED_PRECONDITION, nothing changed (the same batch
+  would fail again); any other failure → INTERNAL;
 * idempotent by ``TrainRequest.batch_id``: the batch applied last is answered with its stored
   reply and trains nothing; a retry sent while the first call runs waits for it (the lock);
 * every RPC that runs a command holds one lock, so PublishWeights/AcknowledgeWeights never land
@@ -30,7 +31,12 @@ import podrl
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, command_table
 from podrl.trainer.batch import BatchError
-from podrl.trainer.engine import StepAbortedError, TrainerEngine, TrainNotAllowedError
+from podrl.trainer.engine import (
+    NonFiniteStepError,
+    StepAbortedError,
+    TrainerEngine,
+    TrainNotAllowedError,
+)
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -92,8 +98,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"TrainRequest.{err.errors[min(err.errors)][len(refused) :]}",
                     )
+                if all(e.startswith(NonFiniteStepError.__name__) for e in errors):
+                    # Nothing changed, but the same batch on the same weights fails again.
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 # Every rank refused the step alike: nothing changed, the batch may come again.
-                aborted = all(e.startswith(StepAbortedError.__name__) for e in errors)
+                aborted = all(
+                    e.startswith((StepAbortedError.__name__, NonFiniteStepError.__name__))
+                    for e in errors
+                )
                 code = grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL
                 context.abort(code, str(err))
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
