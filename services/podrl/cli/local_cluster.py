@@ -50,10 +50,23 @@ WORKER_ID = "local-0"
 MAX_RESTARTS = 5
 #: Exit code of a service refused at start (bad config): starting it again cannot help.
 CONFIG_ERROR_EXIT = 2
+#: The pod's weights key file (podrl.weights.keys): only its trainer and generator get it.
+WEIGHTS_KEY_FILE_ENV = "PODRL_WEIGHTS_KEY_FILE"
 
 
 def pod_name(ordinal: int) -> str:
     return f"local-{ordinal}"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` in ``path``, mode 0600 from its creation on (written to a new file and renamed
+    over the old one, so no reader sees it half written)."""
+    fresh = path.with_name(f".{path.name}.{os.getpid()}")
+    fresh.unlink(missing_ok=True)
+    descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text + "\n")
+    os.replace(fresh, path)
 
 
 def kill_process_group(child: Child) -> None:
@@ -295,6 +308,8 @@ class LocalCluster:
             env[f"PODRL_{name.upper()}__GRPC_PORT"] = str(ports[name])
             env[f"PODRL_{name.upper()}__METRICS_PORT"] = str(ports[f"{name}_metrics"])
         env["PODRL_TRAINER__GRPC_PORT"] = str(ports["trainer"])
+        if service in ("trainer", "generator"):
+            env[WEIGHTS_KEY_FILE_ENV] = str(self.weights_key_file(ordinal))
         folder = self.log_dir if ordinal == 0 else self.log_dir / pod_name(ordinal)
         log_path = folder / f"{service}.log"
         cmd = [sys.executable, "-m", f"podrl.{service}", *self._config_args()]
@@ -309,21 +324,21 @@ class LocalCluster:
             restarts,
         )
 
+    def weights_key_file(self, ordinal: int) -> Path:
+        return self.config.run_dir / "keys" / f"{pod_name(ordinal)}.weights-key"
+
     def _start_pod(self, ordinal: int) -> LocalPod:
+        # A new key for every pod start; a restarted process of the pod keeps the pod's key.
+        key_file = self.weights_key_file(ordinal)
+        key_file.parent.mkdir(mode=0o700, exist_ok=True)
+        _write_private(key_file, secrets.token_hex(32))
         pod = LocalPod(ordinal, self._ports_of(ordinal))
         pod.children = {s: self._spawn_service(ordinal, s) for s in POD_SERVICES}
         self.pods[ordinal] = pod
         return pod
 
     def _write_secret(self) -> None:
-        """A fresh random secret in ``secret_file``, mode 0600 from its creation on (written
-        to a new file and renamed over the old one, so no reader sees it half written)."""
-        fresh = self.secret_file.with_name(f".{self.secret_file.name}.{os.getpid()}")
-        fresh.unlink(missing_ok=True)
-        descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as out:
-            out.write(secrets.token_hex(32) + "\n")
-        os.replace(fresh, self.secret_file)
+        _write_private(self.secret_file, secrets.token_hex(32))
 
     def credentials(self, role: str = "controller") -> CallerCredentials | None:
         """Credentials of ``role`` for calls into this cluster (tools, tests); None when the
