@@ -144,6 +144,7 @@ def test_fsdp2_trainer_to_vllm_generator(generator: GeneratorProcess, tmp_path: 
         # A manifest naming the dead trainer's storage is refused, and nothing changes.
         dead = weights_pb2.WeightManifest.FromString((out / "manifest-1.bin").read_bytes())
         dead.version, dead.model_fingerprint = 3, "storage-of-a-dead-trainer"
+        generator.key.sign(dead)  # the pod's own (dead) trainer's: only the storage is wrong
         with pytest.raises(grpc.RpcError) as err:
             generator.stub.ApplyWeights(
                 generator_pb2.ApplyWeightsRequest(manifest=dead), timeout=60

@@ -348,6 +348,7 @@ def test_rollback_to_an_older_version_needs_the_flag_and_a_full_manifest(
     version_only.CopyFrom(manifest)
     version_only.version_only = True
     del version_only.shards[:]
+    generator.key.sign(version_only)
     with pytest.raises(grpc.RpcError) as err:
         apply(generator, version_only, rollback=True)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
