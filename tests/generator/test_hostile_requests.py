@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from podrl.v1 import generator_pb2, weights_pb2
+from podrl.v1 import common_pb2, generator_pb2, weights_pb2
 from podrl.weights import ManifestAssembler, PublishError, WeightPublisher, shm
 from podrl.weights.keys import WeightsKey
 from tests.generator.conftest import GeneratorProcess
@@ -116,6 +116,24 @@ def test_probe_9_a_huge_prompt_is_refused_before_it_is_tokenised(generator) -> N
     )
     assert "prompts[0].text" not in engine_says
     assert generate(generator, n=1, seed=1).samples
+
+
+def test_probes_5_6_stay_ok_bounded_tokens_and_refused_ids(generator) -> None:
+    """OK rows kept: max_tokens 10^9 stops at the context window (row 5); token ids outside
+    the vocabulary and a prompt past the context length are INVALID_ARGUMENT (row 6)."""
+    reply = generate(generator, prompts=["hi"], max_tokens=10**9, temperature=0.0)
+    assert 0 < len(reply.samples[0].token_ids) <= 1024  # generator.max_model_len
+    for ids in ([10**7], [5] * 2000):
+        _refused(
+            lambda ids=ids: generator.stub.Generate(
+                generator_pb2.GenerateRequest(
+                    prompts=[common_pb2.Prompt(id="ids", token_ids=ids)],
+                    sampling=common_pb2.SamplingParams(max_tokens=4),
+                ),
+                timeout=60,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
 
 
 # ---- ApplyWeights: only the pod's trainer (probes 18, 19, 20, 21, 22) ----------------------
