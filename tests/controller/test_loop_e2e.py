@@ -280,9 +280,6 @@ def test_restart_neither_repeats_nor_skips_prompts(scenario: dict[str, Any]) -> 
     assert set(counts.values()) == {GROUP}
 
 
-# Failed once in the full slow run after the multi-pod loop (issue 12) landed, cause not yet
-# diagnosed (the traceback was not seen before the session ended); tracked under issue 12.
-@pytest.mark.xfail(reason="grader death after the multi-pod loop: under diagnosis (issue 12)")
 def test_a_grader_dying_mid_step_fails_the_attempt_loudly_and_retries(
     scenario: dict[str, Any],
 ) -> None:

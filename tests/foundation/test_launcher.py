@@ -1,4 +1,5 @@
-"""`podrl up` as a user runs it: starts four children, stops all of them, reports a dead one."""
+"""`podrl up` as a user runs it: starts the services (and the Lighthouse that lets more pods
+join), stops all of them, starts a dead pod service again, and ends when the controller dies."""
 
 from __future__ import annotations
 
@@ -52,33 +53,74 @@ def _assert_all_gone(processes: list[psutil.Process], timeout: float = 30) -> No
     assert not alive, f"still running: {[p.pid for p in alive]}"
 
 
+SERVICES = {"controller", "generator", "grader", "trainer"}
+
+
 def test_sigterm_stops_every_child(tmp_path: Path) -> None:
     proc = _start_up(tmp_path)
     try:
         _wait_until_up(proc)
         children = _children(proc)
-        assert set(children) == {"controller", "generator", "grader", "trainer"}
+        # The default run may grow to more pods, so the Lighthouse runs beside the controller.
+        assert set(children) == SERVICES | {"trainer.lighthouse"}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         _assert_all_gone(list(children.values()))
         # Each service went through its graceful path (NOT_SERVING, drain, stop), none was killed.
-        for name in children:
+        for name in SERVICES:
             log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
             assert f"{name} shutting down (SIGTERM)" in log, name
             assert f"{name} stopped" in log, name
+        lighthouse_log = (tmp_path / "run" / "logs" / "lighthouse.log").read_text()
+        assert "lighthouse: SIGTERM, stopping" in lighthouse_log
     finally:
         proc.kill()
 
 
-def test_a_dead_child_is_reported_and_up_exits_nonzero(tmp_path: Path) -> None:
+def _read_until(proc: subprocess.Popen[str], text: str) -> list[str]:
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"podrl up ended before printing {text!r}:\n" + "".join(lines))
+
+
+def test_a_dead_pod_service_is_started_again(tmp_path: Path) -> None:
+    # What kubelet does for a container of the pod: the run goes on with a new grader.
     proc = _start_up(tmp_path)
     try:
         _wait_until_up(proc)
         children = _children(proc)
         children["grader"].kill()
+        lines = _read_until(proc, "starting it again")
+        assert "grader was killed by SIGKILL" in lines[-1]
+        assert "(restart 1/" in lines[-1]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            graders = _children(proc).get("grader")
+            if graders is not None and graders.pid != children["grader"].pid:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no new grader process after the restart line")
+        assert proc.poll() is None, "the launcher ended after a pod service died"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_dead_controller_is_reported_and_up_exits_nonzero(tmp_path: Path) -> None:
+    proc = _start_up(tmp_path)
+    try:
+        _wait_until_up(proc)
+        children = _children(proc)
+        children["controller"].kill()
         output, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1
-        assert "grader" in output and "SIGKILL" in output
+        assert "controller" in output and "SIGKILL" in output
         _assert_all_gone(list(children.values()))
     finally:
         proc.kill()

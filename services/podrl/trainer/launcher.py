@@ -62,15 +62,31 @@ def launch_ranks(config: RunConfig, argv: Sequence[str]) -> int:
         if all(code is not None for code in codes):
             break
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed or (codes[0] is not None):
-            rank, code = failed[0] if failed else (0, codes[0])
+        if failed:
+            rank, code = failed[0]
             log.error("trainer rank %d exited with %s; stopping the other ranks", rank, code)
             _stop_all(ranks, grace)
+            break
+        if codes[0] == 0:
+            # Rank 0 ends cleanly only after it sent every other rank its shutdown command:
+            # they are on their way out; a SIGTERM now would only race their exit.
+            _wait_then_stop(ranks[1:], grace)
             break
         time.sleep(0.2)
     codes = [p.returncode for p in ranks]
     bad = [c for c in codes if c]
     return 0 if not bad else (bad[0] if bad[0] > 0 else 1)
+
+
+def _wait_then_stop(ranks: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """Give ranks told to shut down ``grace`` seconds to exit; then stop what is left."""
+    deadline = time.monotonic() + grace
+    for process in ranks:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("trainer rank pid %d did not exit after rank 0; stopping it", process.pid)
+    _stop_all([p for p in ranks if p.poll() is None], grace=5.0)
 
 
 def _stop_all(ranks: list[subprocess.Popen[bytes]], grace: float) -> None:
