@@ -45,7 +45,12 @@ def _config(work: Path, model: Path, pods: int, args: argparse.Namespace) -> Pat
         "name": f"scaling-{pods}",
         "run_dir": str(work / f"run-{pods}"),
         "device": "cpu",
-        "controller": {"max_worker_pods": 3, "heartbeat_interval_seconds": 0.5},
+        # The loop starts once all P pods are healthy: every timed step is a P-pod step.
+        "controller": {
+            "max_worker_pods": 3,
+            "min_worker_pods": pods,
+            "heartbeat_interval_seconds": 0.5,
+        },
         "grader": {"workers": 1},
         "generator": {
             "model_path": str(model),
@@ -137,13 +142,15 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/scaling_cpu.json")
+    parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "services"))
     from podrl.models.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="podrl-scaling-") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = make_tiny_model(work / "tiny")
         for pods in (int(p) for p in args.pods.split(",")):
             row = measure(work, model, pods, args)
@@ -158,7 +165,7 @@ def main() -> int:
     by_pods = {row["pods"]: row for row in rows}
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,
     }
     if 1 in by_pods and 3 in by_pods:
