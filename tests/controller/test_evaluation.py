@@ -119,6 +119,8 @@ def test_evaluations_before_every_k_and_at_the_end_train_nothing(
     assert REGISTRY.get_sample_value("podrl_eval_accuracy") == 1.0
     assert REGISTRY.get_sample_value("podrl_eval_step") == 3
     assert REGISTRY.get_sample_value("podrl_eval_task_accuracy", {"task": "copy"}) == 1.0
+    assert REGISTRY.get_sample_value("podrl_eval_reward_mean") == 1.0
+    assert REGISTRY.get_sample_value("podrl_evaluations") == 3
 
 
 def test_training_draws_the_same_prompts_with_evaluation_on_or_off(
