@@ -61,6 +61,9 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     last_train: trainer_pb2.TrainResponse | None = None
     faults: list[TrainFault] = field(default_factory=list)
     """One entry per Train call that reaches the trainer's work, in order."""
+    train_seconds: float = 0.0
+    """Compute time of every Train that reaches the trainer's work (async tests: the producer
+    generates meanwhile)."""
     applied: list[trainer_pb2.TrainRequest] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
     """batch_id of every Train call, in arrival order."""
@@ -92,7 +95,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                 assert self.last_train is not None
                 return self.last_train
             fault = self.faults.pop(0) if self.faults else TrainFault()
-            time.sleep(fault.delay_before_apply)
+            time.sleep(fault.delay_before_apply + self.train_seconds)
             if fault.abort_before_apply is not None:
                 if self.on_abort is not None:
                     self.on_abort()
@@ -295,12 +298,32 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     """Runs at the start of each Generate call (e.g. the pod is drained or killed meanwhile)."""
     applied: list[weights_pb2.WeightManifest] = field(default_factory=list)
     """Every manifest ApplyWeights got, in order."""
+    version_of: Callable[[str, int], int] | None = None
+    """(prompt id, version held) → the version its samples report (a generator that missed
+    syncs, for the stale-group tests); None = the version held."""
+    generate_seconds: float = 0.0
+    """Time each Generate call takes (while it counts as running)."""
+    overlaps: int = 0
+    """ApplyWeights calls that arrived while a Generate was running (the controller must apply
+    weights between generation batches only)."""
+    _running: int = 0
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GenerateResponse:
+        with self._count_lock:
+            self._running += 1
+        try:
+            return self._generate(request)
+        finally:
+            with self._count_lock:
+                self._running -= 1
+
+    def _generate(self, request: generator_pb2.GenerateRequest) -> generator_pb2.GenerateResponse:
         if self.on_generate is not None:
             self.on_generate()
+        time.sleep(self.generate_seconds)
         samples = []
         for prompt in request.prompts:
             self.generated.append(prompt.id)
@@ -316,7 +339,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
                         text=text,
                         logprobs=[-0.5] * len(tokens),
                         finish_reason=common_pb2.FINISH_REASON_STOP,
-                        policy_version=self.version,
+                        policy_version=self.version
+                        if self.version_of is None
+                        else self.version_of(prompt.id, self.version),
                     )
                 )
         return generator_pb2.GenerateResponse(samples=samples)
@@ -325,6 +350,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
     ) -> generator_pb2.ApplyWeightsResponse:
         self.applied.append(request.manifest)
+        with self._count_lock:
+            self.overlaps += self._running > 0
         if request.manifest.version_only and self.weight_state == "needs_full":
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "the generator needs a full manifest"

@@ -1,8 +1,9 @@
-"""Loop section of the run config: the synchronous GRPO step the controller drives."""
+"""Loop section of the run config: the GRPO step the controller drives, synchronous or
+asynchronous with bounded staleness (docs/controller.md, "Asynchronous mode")."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -23,9 +24,14 @@ class SamplingConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
 
 
+#: The largest loop.max_staleness: the buffer holds max_staleness + 1 steps of scored groups.
+MAX_STALENESS_LIMIT = 64
+
+
 class LoopConfig(Section):
-    """The synchronous GRPO loop (docs/controller.md): generate → score → advantages → train →
-    publish/apply weights → record."""
+    """The GRPO loop (docs/controller.md): generate → score → advantages → train →
+    publish/apply weights → record; in ``mode: async`` the generate and score phases of later
+    steps run while the trainers train."""
 
     steps: int = Field(
         0,
@@ -36,6 +42,23 @@ class LoopConfig(Section):
         "can be below this number. 0 = no loop (the controller only tracks members).",
     )
     prompts_per_step: int = Field(16, ge=1, description="Prompts drawn per step.")
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: each step generates, scores, trains and syncs in turn (the generators "
+        "idle while the trainers train). async: a producer generates and scores the prompts of "
+        "the next steps while the trainers train, into a buffer of at most max_staleness + 1 "
+        "steps of scored groups; weights reach each pod's generator between its generation "
+        'batches (docs/controller.md, "Asynchronous mode").',
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=MAX_STALENESS_LIMIT,
+        description="async only: a step trains only groups sampled by policy versions >= the "
+        "trainers' version - max_staleness; older groups are dropped and counted "
+        "(groups_dropped_stale). The producer runs at most this many steps ahead of the step "
+        "being trained. 0 = the synchronous order exactly (same prompts, same versions).",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     normalize_advantages_std: bool = Field(
         True, description="Divide advantages by the group's reward std (GRPO); False = Dr. GRPO."
@@ -95,6 +118,16 @@ class LoopConfig(Section):
         description="When the run finishes, the trainer writes the policy as a Hugging Face "
         "folder to <run_dir>/export (ExportHF); summary.json names it.",
     )
+
+    @model_validator(mode="after")
+    def _check_staleness_mode(self) -> LoopConfig:
+        if self.mode == "sync" and "max_staleness" in self.model_fields_set:
+            raise ValueError(
+                f"loop.max_staleness ({self.max_staleness}) is set but loop.mode is sync, which "
+                "never trains on stale samples: set loop.mode: async, or remove "
+                "loop.max_staleness"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_group_minimum(self) -> LoopConfig:

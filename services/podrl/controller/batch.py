@@ -202,3 +202,69 @@ def train_request(
         global_sequences=len(batch.sequences),
         global_completion_tokens=sum(len(s.completion_ids) for s in batch.sequences),
     )
+
+
+def group_version(data: StepSamples, prompt_id: str) -> int:
+    """The policy version that sampled a prompt's group (one Generate call: one version)."""
+    return data.samples[prompt_id][0].policy_version
+
+
+@dataclass(frozen=True)
+class StaleSplit:
+    """A step's groups judged against the trainers' version (async mode)."""
+
+    fresh: StepSamples
+    """The groups sampled by versions >= current - max_staleness: the ones the batch is built
+    from (same samples, scores and pods, only the stale prompts left out)."""
+    staleness: dict[str, int]
+    """Prompt id → current version minus the version that sampled its group (every group)."""
+    stale: list[str]
+    """Prompt ids of the groups dropped as too old, in draw order."""
+    stale_samples: int
+    """Samples of those groups."""
+
+    def figures(self) -> dict[str, Any]:
+        """Step-record figures: ``staleness_histogram`` (versions behind → groups kept),
+        ``groups_dropped_stale`` and ``samples_dropped_stale``."""
+        dropped = set(self.stale)
+        histogram = Counter(lag for pid, lag in self.staleness.items() if pid not in dropped)
+        return {
+            "staleness_histogram": {str(lag): n for lag, n in sorted(histogram.items())},
+            "groups_dropped_stale": len(self.stale),
+            "samples_dropped_stale": self.stale_samples,
+        }
+
+
+def split_stale(data: StepSamples, current_version: int, max_staleness: int) -> StaleSplit:
+    """Leave out the groups sampled by a version older than ``current_version -
+    max_staleness`` (pure). A group sampled by a version newer than the trainers' cannot come
+    from this run's trainers: ``StepFailedError`` (the attempt is retried)."""
+    staleness: dict[str, int] = {}
+    for item in data.items:
+        version = group_version(data, item.id)
+        if version > current_version:
+            raise StepFailedError(
+                "generate",
+                f"prompt {item.id}: sampled by policy version {version}, newer than the "
+                f"trainers' {current_version}",
+            )
+        staleness[item.id] = current_version - version
+    stale = [item.id for item in data.items if staleness[item.id] > max_staleness]
+    dropped = set(stale)
+    fresh = StepSamples(
+        items=[item for item in data.items if item.id not in dropped],
+        samples=data.samples,
+        scores=data.scores,
+        pod_of=data.pod_of,
+    )
+    return StaleSplit(fresh, staleness, stale, sum(len(data.samples[pid]) for pid in stale))
+
+
+def with_stale_figures(batch: TrainBatch, split: StaleSplit) -> TrainBatch:
+    """``batch`` (built from ``split.fresh``) with the stale groups counted in: ``groups`` and
+    ``groups_dropped`` include them, plus :meth:`StaleSplit.figures`."""
+    stats = dict(batch.stats)
+    stats.update(split.figures())
+    stats["groups"] = batch.stats["groups"] + len(split.stale)
+    stats["groups_dropped"] = batch.stats["groups_dropped"] + len(split.stale)
+    return TrainBatch(batch.sequences, stats)

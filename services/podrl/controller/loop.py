@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -40,10 +40,13 @@ from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
 from podrl.controller.batch import (
     StepSamples,
+    TrainBatch,
     build_batch,
     check_score_errors,
     split_batch,
+    split_stale,
     train_request,
+    with_stale_figures,
 )
 from podrl.controller.checkpoint_files import checkpoint_folder, newest_checkpoint
 from podrl.controller.clients import WorkerClients
@@ -56,9 +59,15 @@ from podrl.controller.resume import (
     choose_checkpoint,
     plan_resume,
 )
+from podrl.controller.rollout_buffer import (
+    GeneratorGate,
+    RolloutProducer,
+    ScoredBatch,
+    buffer_capacity_steps,
+)
 from podrl.controller.roster import Pod, PodRoster, pod_order
 from podrl.controller.run_store import PendingStep, RunStore, StepRecord
-from podrl.controller.status import RunState
+from podrl.controller.status import RolloutView, RunState
 from podrl.controller.step_errors import (
     RunFailedError,
     StepFailedError,
@@ -107,6 +116,39 @@ class GrpoLoop:
         replica heartbeating to the Lighthouse)."""
         self._seen: dict[str, Pod] = {}
         """Each pod as last admitted: a pod whose processes changed gets new channels."""
+        self._recorded_position: dict[str, Any] = {}
+        """The task source's position after the last recorded step (set by resume)."""
+        # Asynchronous mode (loop.mode: async; rollout_buffer.py).
+        self.asynchronous = config.loop.mode == "async"
+        self.gate = GeneratorGate()
+        self._producer_stopped = threading.Event()
+        self._run_stop = threading.Event()
+        self.producer = RolloutProducer(
+            self._produce,
+            max_staleness=config.loop.max_staleness if self.asynchronous else 0,
+            last_step=config.loop.steps,
+            stopped=self._stopping,
+        )
+        self._generating: list[Pod] = []
+        """The pods whose generators the producer uses (set by each align)."""
+        self._needs_align = True
+        self._retry_step: int | None = None
+        self._taken: ScoredBatch | None = None
+        """The batch of the step being trained, kept until recorded (a Train that was not
+        applied is sent again with it)."""
+        if self.asynchronous:
+            capacity = (
+                buffer_capacity_steps(config.loop.max_staleness) * config.loop.prompts_per_step
+            )
+            state.buffer_fill = self.producer.fill
+            state.set_rollout(
+                RolloutView(
+                    mode="async",
+                    max_staleness=config.loop.max_staleness,
+                    buffer_capacity_groups=capacity,
+                )
+            )
+            metrics.BUFFER_CAPACITY_GROUPS.set(capacity)
 
     # -- workers ---------------------------------------------------------------------------------
     def _lead(self) -> Pod:
@@ -240,7 +282,9 @@ class GrpoLoop:
         return [pod for pod in self.roster.pods() if pod.id not in self._joining]
 
     # -- one step --------------------------------------------------------------------------------
-    def run_step(self, attempt: int) -> StepRecord:
+    def run_step(self, attempt: int) -> StepRecord | None:
+        if self.asynchronous:
+            return self.run_step_async(attempt)
         config = self.loop_config
         step = self.state.step + 1
         expected = self.state.policy_version
@@ -249,7 +293,7 @@ class GrpoLoop:
         generating = self._timed("align", {}, lambda: self.align(expected))
         data = StepSamples(items=self.source.next_prompts(config.prompts_per_step))
         position_after = self.source.position()
-        seed = None if config.sample_seed is None else config.sample_seed + step
+        seed = self._seed(step)
         self._timed(
             "generate",
             timings,
@@ -257,72 +301,14 @@ class GrpoLoop:
         )
         self._timed("score", timings, lambda: self.phases.score(data, self.roster.pods()))
         check_score_errors(data, config.max_score_error_rate)
-        batch = build_batch(
-            data,
-            normalize_std=config.normalize_advantages_std,
-            min_valid_per_group=config.min_valid_samples_per_group,
+        batch = self._build_batch(data)
+        batch_id, outcome, epoch = self._train(
+            step, attempt, expected, batch, data, position_before, position_after, timings
         )
-        batch_id = f"{self._batch_prefix}:{step}:{attempt}"
-        outcome: TrainOutcome | None = None
-        epoch = self.roster.epoch
-        if batch.sequences:
-            trainers = self._train_set()
-            if not trainers:
-                raise StepFailedError("train", "no pod is left to train on")
-
-            def requests_for(
-                pod_ids: list[str], round_no: int
-            ) -> dict[str, trainer_pb2.TrainRequest]:
-                # Every round of this step shares the prefix recorded as the step in flight:
-                # a restart recognises any of them in a trainer's last_batch_id.
-                shares = split_batch(batch.sequences, pod_ids)
-                self.roster.note_shares(sequences={p: len(s) for p, s in shares.items()})
-                return {
-                    pod_id: train_request(
-                        shares[pod_id],
-                        batch,
-                        expected,
-                        f"{batch_id}.{round_no}@{pod_id}",
-                        pods=len(pod_ids),
-                    )
-                    for pod_id in pod_ids
-                }
-
-            self.store.set_pending(
-                PendingStep(
-                    step, position_before, position_after, [i.id for i in data.items], batch_id
-                )
-            )
-            outcome = self._timed(
-                "train",
-                timings,
-                lambda: self.train_phase.train_pods(trainers, expected, requests_for),
-            )
-            epoch = self.roster.epoch
-            faults.hit("controller.after_train", step=step)
-        # else: no learning signal in any group, nothing to train on (recorded trained: false)
         version = outcome.reply.policy_version if outcome else expected
         trained_ids = {s.sample_id for s in batch.sequences} if outcome else set()
         self.recorder.write_samples(step, data, trained_ids)
-        sync_seconds: dict[str, float] = {}
-        if outcome is not None:
-            self.roster.note_trained(dict.fromkeys(outcome.replies, version))
-            synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
-            sync_seconds = self._timed(
-                "sync",
-                timings,
-                lambda: self.weights.sync_pods(
-                    synced,
-                    version,
-                    config.max_step_attempts,
-                    is_lost=self._lost,
-                    align=frozenset(self._joining),
-                ),
-            )
-            for pod in synced:
-                if pod.id not in sync_seconds:
-                    self.roster.drop(pod.id, "lost during the weight sync")
-            self._joining -= set(outcome.replies)
+        sync_seconds = self._sync(outcome, version, timings)
         return self.recorder.record(
             step,
             version,
@@ -336,6 +322,208 @@ class GrpoLoop:
             sync_seconds=sync_seconds,
         )
 
+    def _seed(self, step: int) -> int | None:
+        seed = self.loop_config.sample_seed
+        return None if seed is None else seed + step
+
+    def _build_batch(self, data: StepSamples) -> TrainBatch:
+        return build_batch(
+            data,
+            normalize_std=self.loop_config.normalize_advantages_std,
+            min_valid_per_group=self.loop_config.min_valid_samples_per_group,
+        )
+
+    def _train(
+        self,
+        step: int,
+        attempt: int,
+        expected: int,
+        batch: TrainBatch,
+        data: StepSamples,
+        position_before: dict[str, Any],
+        position_after: dict[str, Any],
+        timings: dict[str, float],
+    ) -> tuple[str, TrainOutcome | None, int]:
+        """Train the step's batch on every pod at once: (batch id, outcome, epoch); the outcome
+        is None when the batch is empty (no group with a learning signal: trained: false)."""
+        batch_id = f"{self._batch_prefix}:{step}:{attempt}"
+        epoch = self.roster.epoch
+        if not batch.sequences:
+            return batch_id, None, epoch
+        trainers = self._train_set()
+        if not trainers:
+            raise StepFailedError("train", "no pod is left to train on")
+
+        def requests_for(pod_ids: list[str], round_no: int) -> dict[str, trainer_pb2.TrainRequest]:
+            # Every round of this step shares the prefix recorded as the step in flight:
+            # a restart recognises any of them in a trainer's last_batch_id.
+            shares = split_batch(batch.sequences, pod_ids)
+            self.roster.note_shares(sequences={p: len(s) for p, s in shares.items()})
+            return {
+                pod_id: train_request(
+                    shares[pod_id],
+                    batch,
+                    expected,
+                    f"{batch_id}.{round_no}@{pod_id}",
+                    pods=len(pod_ids),
+                )
+                for pod_id in pod_ids
+            }
+
+        self.store.set_pending(
+            PendingStep(step, position_before, position_after, [i.id for i in data.items], batch_id)
+        )
+        outcome = self._timed(
+            "train",
+            timings,
+            lambda: self.train_phase.train_pods(trainers, expected, requests_for),
+        )
+        faults.hit("controller.after_train", step=step)
+        return batch_id, outcome, self.roster.epoch
+
+    def _sync(
+        self, outcome: TrainOutcome | None, version: int, timings: dict[str, float]
+    ) -> dict[str, float]:
+        """Each pod that trained the step syncs its generator to ``version``: pod → seconds."""
+        if outcome is None:
+            return {}
+        self.roster.note_trained(dict.fromkeys(outcome.replies, version))
+        synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
+        sync_seconds = self._timed(
+            "sync",
+            timings,
+            lambda: self.weights.sync_pods(
+                synced,
+                version,
+                self.loop_config.max_step_attempts,
+                is_lost=self._lost,
+                align=frozenset(self._joining),
+            ),
+        )
+        for pod in synced:
+            if pod.id not in sync_seconds:
+                self.roster.drop(pod.id, "lost during the weight sync")
+        self._joining -= set(outcome.replies)
+        return sync_seconds
+
+    # -- asynchronous mode (rollout_buffer.py) ----------------------------------------------------
+    def _produce(self, step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        """The producer thread's work for one step: draw its prompts (or take those of the
+        failed attempt), generate them on the generating pods (holding the generator gate), and
+        score them. A failed phase comes back as the batch's ``error``."""
+        config = self.loop_config
+        if failed is None:
+            before = self.source.position()
+            items = self.source.next_prompts(config.prompts_per_step)
+            after = self.source.position()
+        else:
+            items, before, after = failed.data.items, failed.position_before, failed.position_after
+        batch = ScoredBatch(step, StepSamples(items=list(items)), before, after)
+        data, seconds = batch.data, batch.seconds
+        try:
+            with self.gate.producer(self._stopping) as held:
+                if not held:
+                    raise StepFailedError("generate", "the run is stopping")
+                start = time.perf_counter()
+                self.phases.generate(
+                    step, data, config.sampling, self._seed(step), None, self._generating
+                )
+                seconds["generate"] = round(time.perf_counter() - start, 4)
+            start = time.perf_counter()
+            self.phases.score(data, self.roster.pods())
+            seconds["score"] = round(time.perf_counter() - start, 4)
+            check_score_errors(data, config.max_score_error_rate)
+        except StepFailedError as err:
+            batch.error = err
+        for phase, value in seconds.items():
+            metrics.PHASE_SECONDS.labels(phase).observe(value)
+        return batch
+
+    def _stopping(self) -> bool:
+        return self._producer_stopped.is_set() or self._run_stop.is_set()
+
+    def _align_async(self, expected: int) -> None:
+        """A step boundary in async mode, holding the generator gate (between two batches)."""
+        self._generating = self._timed("align", {}, lambda: self.align(expected))
+
+    def run_step_async(self, attempt: int) -> StepRecord | None:
+        """One step of async mode: its batch comes from the producer (generated and scored
+        while earlier steps trained); groups older than ``loop.max_staleness`` versions are
+        dropped; Train as in sync mode; then, holding the generator gate: the weight sync, the
+        record and the next step's align."""
+        config = self.loop_config
+        step = self.state.step + 1
+        expected = self.state.policy_version
+        timings: dict[str, float] = {}
+        if self._needs_align:
+            with self.gate.loop():
+                self._align_async(expected)
+            self._needs_align = False
+        if not self.producer.started:
+            self.producer.start(step)
+        elif self._retry_step == step:
+            self.producer.retry(step)
+        self._retry_step = None
+        if self._taken is None or self._taken.step != step:
+            try:
+                scored = self._timed("wait_for_batch", timings, lambda: self.producer.take(step))
+            except StepFailedError:
+                self._retry_step = step
+                raise
+            if scored is None:
+                return None  # the run stops
+            self._taken = scored
+        scored = self._taken
+        timings.update(scored.seconds)
+        split = split_stale(scored.data, expected, config.max_staleness)
+        batch = with_stale_figures(self._build_batch(split.fresh), split)
+        batch_id, outcome, epoch = self._train(
+            step,
+            attempt,
+            expected,
+            batch,
+            scored.data,
+            scored.position_before,
+            scored.position_after,
+            timings,
+        )
+        version = outcome.reply.policy_version if outcome else expected
+        trained_ids = {s.sample_id for s in batch.sequences} if outcome else set()
+        self.recorder.write_samples(step, scored.data, trained_ids)
+        with self.gate.loop():
+            sync_seconds = self._sync(outcome, version, timings)
+            record = self.recorder.record(
+                step,
+                version,
+                scored.position_after,
+                scored.data,
+                batch,
+                outcome,
+                batch_id,
+                timings,
+                epoch=epoch,
+                sync_seconds=sync_seconds,
+            )
+            self._taken = None
+            self._recorded_position = scored.position_after
+            self._count_staleness(record.metrics)
+            if step < config.steps:
+                try:
+                    self._align_async(version)
+                except StepFailedError as err:  # the next step aligns again at its start
+                    log.warning("align after step %d failed: %s", step, err)
+                    self._needs_align = True
+        self.producer.step_done(step)
+        return record
+
+    def _count_staleness(self, figures: dict[str, Any]) -> None:
+        for lag, groups in (figures.get("staleness_histogram") or {}).items():
+            for _ in range(groups):
+                metrics.GROUP_STALENESS.observe(int(lag))
+        metrics.STALE_GROUPS_DROPPED.inc(figures.get("groups_dropped_stale") or 0)
+        metrics.STALE_SAMPLES_DROPPED.inc(figures.get("samples_dropped_stale") or 0)
+        self.state.count_staleness(figures)
+
     def run_step_with_retries(self, stop: threading.Event) -> StepRecord | None:
         position_before = self.source.position()
         attempts = self.loop_config.max_step_attempts
@@ -346,7 +534,12 @@ class GrpoLoop:
                 # Nothing of the attempt was applied (a Train of unknown outcome never ends up
                 # here: it raises RunFailedError and keeps the step in flight for a restart).
                 metrics.STEP_FAILURES.labels(err.phase).inc()
-                self.source.restore(position_before)  # the same prompts again, nothing kept
+                if self.asynchronous:
+                    # The same prompts again: the producer regenerates a failed batch, a batch
+                    # whose Train was not applied is sent again; the next attempt aligns first.
+                    self._needs_align = True
+                else:
+                    self.source.restore(position_before)  # the same prompts, nothing kept
                 self.store.clear_pending()
                 log.error(
                     "step %d attempt %d/%d failed in %s",
@@ -368,9 +561,10 @@ class GrpoLoop:
 
     # -- checkpoints and resume -------------------------------------------------------------------
     def checkpoint(self) -> str:
-        blob = ControllerState(
-            self.state.step, self.state.policy_version, self.source.position()
-        ).encode()
+        # In async mode the task source is ahead (the buffer's prompts): the position after the
+        # last recorded step is where a restart continues.
+        position = self._recorded_position if self.asynchronous else self.source.position()
+        blob = ControllerState(self.state.step, self.state.policy_version, position).encode()
         try:
             reply = self.clients.trainer(self._lead().trainer).SaveCheckpoint(
                 trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
@@ -456,7 +650,11 @@ class GrpoLoop:
             )
         if plan.position is not None:
             self.source.restore(plan.position)
+        self._recorded_position = self.source.position()
         self.state.resume(plan.last_step, plan.policy_version)
+        if self.asynchronous:
+            for record in self.store.steps():  # the run's totals on /v1/status
+                self.state.count_staleness(record.metrics)
         if plan.last_step:
             log.info(
                 "resuming after step %d at policy version %d (position from the %s)",
@@ -471,8 +669,10 @@ class GrpoLoop:
     def _eval_phases(self, step: int) -> RunPhases:
         def run(data: StepSamples, sampling: SamplingConfig) -> None:
             version = self.state.policy_version
-            pods = self.align(version)
-            self.phases.generate(step, data, sampling, None, version, pods)
+            with self.gate.loop():  # async mode: between two of the producer's batches
+                pods = self.align(version)
+                self._generating = pods
+                self.phases.generate(step, data, sampling, None, version, pods)
             self.phases.score(data, self.roster.pods())
 
         return run
@@ -521,6 +721,7 @@ class GrpoLoop:
 
     # -- the whole run -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        self._run_stop = stop
         self.weights.stop = stop
         self.train_phase.stop = stop
         try:
@@ -558,6 +759,8 @@ class GrpoLoop:
             log.exception("GRPO loop crashed")
             self._fail(f"loop crashed: {type(err).__name__}: {err}")
         finally:
+            self._producer_stopped.set()
+            self.producer.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self.recorder.close()
 

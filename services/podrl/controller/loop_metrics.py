@@ -39,3 +39,28 @@ DESIRED_REPLICAS = Gauge(
     "podrl_desired_replicas",
     "Worker pods asked for (the worker StatefulSet's spec.replicas, or the local launcher's).",
 )
+BUFFER_STEPS = Gauge(
+    "podrl_rollout_buffer_steps",
+    "async mode: scored steps waiting in the rollout buffer (at most loop.max_staleness + 1).",
+)
+BUFFER_GROUPS = Gauge(
+    "podrl_rollout_buffer_groups", "async mode: scored groups waiting in the rollout buffer."
+)
+BUFFER_CAPACITY_GROUPS = Gauge(
+    "podrl_rollout_buffer_capacity_groups",
+    "Groups the rollout buffer can hold: (loop.max_staleness + 1) x loop.prompts_per_step in "
+    "async mode, 0 in sync mode.",
+)
+GROUP_STALENESS = Histogram(
+    "podrl_trained_group_staleness",
+    "Policy versions between the one that sampled a group and the one that trained on it, "
+    "per group kept for training.",
+    buckets=(0, 1, 2, 3, 4, 8, 16, 32, 64),
+)
+STALE_GROUPS_DROPPED = Counter(
+    "podrl_stale_groups_dropped_total",
+    "Groups dropped because they were sampled more than loop.max_staleness versions ago.",
+)
+STALE_SAMPLES_DROPPED = Counter(
+    "podrl_stale_samples_dropped_total", "Samples of the groups dropped as stale."
+)

@@ -133,12 +133,13 @@ class WorkerPhases:
         data: StepSamples,
         sampling: SamplingConfig,
         seed: int | None,
-        policy_version: int,
+        policy_version: int | None,
         pods: list[Pod],
     ) -> None:
         """``sampling.n`` samples of every prompt into ``data.samples``, each prompt on one of
         ``pods`` (recorded in ``data.pod_of``); every one must come back, sampled by
-        ``policy_version``."""
+        ``policy_version`` (None, in async mode: by whichever version the pod's generator holds,
+        one version per group; the consumer judges its staleness)."""
         pods = self._check_pods(pods)
         if not pods:
             raise StepFailedError("generate", "no healthy pod can generate (none admitted)")
@@ -189,6 +190,13 @@ class WorkerPhases:
                 raise StepFailedError(
                     "generate", f"prompt {item.id}: {len(group)} samples, expected {sampling.n}"
                 )
+            if policy_version is None:
+                versions = sorted({x.policy_version for x in group})
+                if len(versions) > 1:
+                    raise StepFailedError(
+                        "generate", f"prompt {item.id}: one group sampled by versions {versions}"
+                    )
+                continue
             stale = [x.policy_version for x in group if x.policy_version != policy_version]
             if stale:
                 raise StepFailedError(

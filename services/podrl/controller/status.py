@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -40,6 +41,27 @@ class PodView(BaseModel):
     train_sequences: int = Field(description="Sequences of the current step it trains on.")
 
 
+class RolloutView(BaseModel):
+    mode: str = Field("sync", description="loop.mode: sync or async.")
+    max_staleness: int | None = Field(
+        None, description="loop.max_staleness in async mode (null in sync mode)."
+    )
+    buffer_steps: int = Field(0, description="Scored steps waiting in the rollout buffer.")
+    buffer_groups: int = Field(0, description="Scored groups waiting in the rollout buffer.")
+    buffer_capacity_groups: int = Field(
+        0, description="Groups the buffer can hold: (max_staleness + 1) x prompts_per_step."
+    )
+    staleness_histogram: dict[str, int] = Field(
+        default_factory=dict,
+        description="Versions behind (between sampling and training) → groups trained on, "
+        "over the run's recorded steps.",
+    )
+    groups_dropped_stale: int = Field(
+        0, description="Groups dropped as older than max_staleness versions, over the run."
+    )
+    samples_dropped_stale: int = Field(0, description="Their samples.")
+
+
 class RunStatusView(BaseModel):
     run_name: str
     phase: str = Field(description="waiting_for_workers, idle, generate, score, train, sync, ...")
@@ -64,6 +86,10 @@ class RunStatusView(BaseModel):
         None, description="The latest held-out evaluation (as in /v1/evals), if any."
     )
     evaluations: int = Field(0, description="Held-out evaluations recorded so far.")
+    rollout: RolloutView = Field(
+        default_factory=RolloutView,
+        description="The rollout buffer of async mode: fill, staleness, stale drops.",
+    )
 
 
 class StepView(BaseModel):
@@ -118,6 +144,9 @@ class RunState:
         """The loop's pods and epoch (set by whoever builds the roster)."""
         self.last_eval: dict[str, Any] | None = None
         self.evaluations = 0
+        self.rollout = RolloutView()
+        self.buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(steps, groups) in the rollout buffer (the async loop's producer sets it)."""
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -144,6 +173,26 @@ class RunState:
             self.last_step_metrics = dict(metrics)
             self.error = None
 
+    def set_rollout(self, rollout: RolloutView) -> None:
+        with self._lock:
+            self.rollout = rollout
+
+    def count_staleness(self, figures: dict[str, Any]) -> None:
+        """Add a step record's staleness figures to the run's totals."""
+        with self._lock:
+            histogram = dict(self.rollout.staleness_histogram)
+            for lag, groups in (figures.get("staleness_histogram") or {}).items():
+                histogram[lag] = histogram.get(lag, 0) + groups
+            self.rollout = self.rollout.model_copy(
+                update={
+                    "staleness_histogram": dict(sorted(histogram.items(), key=lambda x: int(x[0]))),
+                    "groups_dropped_stale": self.rollout.groups_dropped_stale
+                    + (figures.get("groups_dropped_stale") or 0),
+                    "samples_dropped_stale": self.rollout.samples_dropped_stale
+                    + (figures.get("samples_dropped_stale") or 0),
+                }
+            )
+
     def set_evaluations(self, last: dict[str, Any] | None, count: int) -> None:
         with self._lock:
             self.last_eval = dict(last) if last is not None else None
@@ -159,7 +208,11 @@ class RunState:
         pod_views = [PodView(**vars(p)) for p in roster.status()] if roster else []
         epoch = roster.epoch if roster else 0
         desired = roster.desired_replicas() if roster else None
+        buffer_steps, buffer_groups = self.buffer_fill()
         with self._lock:
+            rollout = self.rollout.model_copy(
+                update={"buffer_steps": buffer_steps, "buffer_groups": buffer_groups}
+            )
             waiting = not ready and self.phase not in ("finished", "failed")
             phase = "waiting_for_workers" if waiting else self.phase
             return RunStatusView(
@@ -180,6 +233,7 @@ class RunState:
                 uptime_seconds=round(time.monotonic() - self.started, 3),
                 last_eval=dict(self.last_eval) if self.last_eval is not None else None,
                 evaluations=self.evaluations,
+                rollout=rollout,
             )
 
 

@@ -1,0 +1,240 @@
+"""Asynchronous mode (``loop.mode: async``): a producer generates and scores the prompts of
+the next steps while the trainers train, into a bounded buffer of scored steps.
+
+The parts, read in this order:
+
+- :func:`may_start`: the bound (pure). The batch of step ``j`` may be started once step
+  ``j - 1 - max_staleness`` is done. Its groups are then sampled by a version at least the one
+  that step left, and step ``j`` trains at most ``max_staleness`` versions later, so in a run
+  whose generators take every sync nothing is dropped as stale; with ``max_staleness`` 0 the
+  batch of step ``j`` starts only after step ``j - 1`` is done: the synchronous order.
+- :class:`GeneratorGate`: who may use the generators. The producer holds it for one batch's
+  ``Generate`` fan-out; the loop holds it (with priority: the producer starts no new batch
+  while the loop waits) for the weight sync after ``Train``, the step boundary (align: pods
+  admitted, generators brought to their trainers' version) and evaluations. So weights are
+  applied to each pod's generator between its generation batches, never in the middle of one.
+- :class:`RolloutProducer`: the producer thread and the buffer. It draws each step's prompts
+  from the task source in step order (one ``next_prompts`` call per step, as the synchronous
+  loop does), and keeps the data positions before and after them with the batch, so the step
+  record stores the position after the prompts that step trained (or dropped). A restarted
+  controller continues from there: the prompts that were in the buffer are drawn and generated
+  again, none is skipped and none trained twice. A batch whose generate or score phase failed is
+  handed to the loop as that failure; the producer then waits until the loop, after its retry
+  rules (backoff, wait for workers, align), asks for the same prompts again (:meth:`retry`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from podrl.controller import loop_metrics as metrics
+from podrl.controller.batch import StepSamples
+from podrl.controller.step_errors import RunFailedError, StepFailedError
+
+log = logging.getLogger(__name__)
+
+#: How often waits look at the stop flags.
+_POLL_SECONDS = 0.2
+
+
+def may_start(step: int, steps_done: int, max_staleness: int) -> bool:
+    """The producer may start the batch of ``step`` once ``steps_done`` steps are done: at most
+    ``max_staleness`` steps ahead of the one being trained (``steps_done + 1``)."""
+    return step <= steps_done + 1 + max_staleness
+
+
+def buffer_capacity_steps(max_staleness: int) -> int:
+    """Scored steps the buffer can hold: the step about to train and ``max_staleness`` more."""
+    return max_staleness + 1
+
+
+@dataclass
+class ScoredBatch:
+    """One step's prompts, generated and scored by the producer (or the failure of that)."""
+
+    step: int
+    data: StepSamples
+    position_before: dict[str, Any]
+    position_after: dict[str, Any]
+    seconds: dict[str, float] = field(default_factory=dict)
+    """generate / score seconds of the producer (overlapping the previous steps' training)."""
+    error: StepFailedError | None = None
+    """The attempt failed (generate or score); nothing of it may be trained on."""
+
+
+class GeneratorGate:
+    """Exclusive use of the generators: the producer for a batch, the loop (first in line) for
+    weight syncs, step boundaries and evaluations."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._loop_waiting = 0
+
+    @contextmanager
+    def producer(self, stopped: Callable[[], bool]) -> Iterator[bool]:
+        """Yields False (holding nothing) when ``stopped()`` turned true while waiting."""
+        acquired = False
+        with self._cond:
+            while (self._busy or self._loop_waiting) and not stopped():
+                self._cond.wait(_POLL_SECONDS)
+            if not (self._busy or self._loop_waiting):
+                self._busy = acquired = True
+        if not acquired:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._release()
+
+    @contextmanager
+    def loop(self) -> Iterator[None]:
+        with self._cond:
+            self._loop_waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._busy)
+            finally:
+                self._loop_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+#: Builds step ``step``'s batch: new prompts (second argument None) or, after a failed attempt,
+#: the same prompts again (the failed batch). Returns the batch with ``error`` set on a failed
+#: generate or score phase; anything it raises ends the producer and fails the run.
+Produce = Callable[[int, ScoredBatch | None], ScoredBatch]
+
+
+class RolloutProducer:
+    def __init__(
+        self,
+        produce: Produce,
+        *,
+        max_staleness: int,
+        last_step: int,
+        stopped: Callable[[], bool],
+    ) -> None:
+        self._produce = produce
+        self._k = max_staleness
+        self._last_step = last_step
+        self._stopped = stopped
+        self._closed = threading.Event()
+        self._cond = threading.Condition()
+        self._ready: dict[int, ScoredBatch] = {}
+        self._done = 0
+        self._retry: int | None = None
+        self._crash: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the loop's side -------------------------------------------------------------------------
+    def start(self, first_step: int) -> None:
+        """Produce from ``first_step`` on; ``first_step - 1`` steps are done."""
+        self._done = first_step - 1
+        self._thread = threading.Thread(
+            target=self._run, args=(first_step,), name="rollout-producer", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def take(self, step: int) -> ScoredBatch | None:
+        """Step ``step``'s batch, waiting for it; None when the run stops first. A failed
+        attempt raises its ``StepFailedError`` (then :meth:`retry`); a producer that crashed
+        raises ``RunFailedError``."""
+        with self._cond:
+            while step not in self._ready:
+                if self._crash is not None:
+                    raise RunFailedError(
+                        f"the rollout producer stopped: {type(self._crash).__name__}: {self._crash}"
+                    ) from self._crash
+                if self._is_stopped():
+                    return None
+                self._cond.wait(_POLL_SECONDS)
+            batch = self._ready.pop(step)
+            self._publish_fill()
+        if batch.error is not None:
+            raise batch.error
+        return batch
+
+    def retry(self, step: int) -> None:
+        """Produce ``step`` again with the same prompts (its last attempt failed)."""
+        with self._cond:
+            self._retry = step
+            self._cond.notify_all()
+
+    def step_done(self, step: int) -> None:
+        """Step ``step`` is trained (or trained nothing), synced and recorded."""
+        with self._cond:
+            self._done = max(self._done, step)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def fill(self) -> tuple[int, int]:
+        """(scored steps, scored groups) waiting in the buffer."""
+        with self._cond:
+            return len(self._ready), sum(len(b.data.items) for b in self._ready.values())
+
+    # -- the producer thread ---------------------------------------------------------------------
+    def _is_stopped(self) -> bool:
+        return self._closed.is_set() or self._stopped()
+
+    def _publish_fill(self) -> None:
+        metrics.BUFFER_GROUPS.set(sum(len(b.data.items) for b in self._ready.values()))
+        metrics.BUFFER_STEPS.set(len(self._ready))
+
+    def _wait(self, ready: Callable[[], bool]) -> bool:
+        """Wait (under the condition) until ``ready()``; False when the run stops first."""
+        while not ready():
+            if self._is_stopped():
+                return False
+            self._cond.wait(_POLL_SECONDS)
+        return True
+
+    def _put(self, batch: ScoredBatch) -> None:
+        with self._cond:
+            self._ready[batch.step] = batch
+            self._publish_fill()
+            self._cond.notify_all()
+
+    def _run(self, step: int) -> None:
+        try:
+            while step <= self._last_step:
+                with self._cond:
+                    if not self._wait(lambda s=step: may_start(s, self._done, self._k)):
+                        return
+                batch = self._produce(step, None)
+                while batch.error is not None:
+                    log.warning("step %d: its batch failed: %s", step, batch.error)
+                    self._put(batch)
+                    with self._cond:
+                        if not self._wait(lambda s=step: self._retry == s):
+                            return
+                        self._retry = None
+                    batch = self._produce(step, batch)
+                self._put(batch)
+                step += 1
+        except BaseException as err:  # the loop fails the run with it (take raises)
+            log.exception("rollout producer crashed")
+            with self._cond:
+                self._crash = err
+                self._cond.notify_all()

@@ -1,0 +1,262 @@
+"""Asynchronous mode (``loop.mode: async``) against fake pods over real gRPC and the REAL
+grader (tests/controller/fake_workers.py, the Cluster of test_pods_fake.py).
+
+Each test runs ``GrpoLoop.run`` to its end and checks what the run left behind: from
+``samples.jsonl`` and the step records, no trained sample is older than ``max_staleness``
+versions; with ``max_staleness`` 0 the run is the synchronous run step for step; every prompt
+is trained in exactly one step (none skipped, none twice) through drains, kills and a restart.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from tests.controller.fake_workers import FakePod, FakeReplicaGroup
+from tests.controller.test_pods_fake import (
+    PROMPTS,
+    Cluster,
+    _check_every_prompt_once,
+    _digest,
+    grader_address,  # noqa: F401  (the module's real grader)
+)
+
+STEPS = 6
+TRAIN_SECONDS = 0.25
+"""Each fake Train takes this long: the producer generates the next batches meanwhile."""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, grader_address: str) -> Iterator[Cluster]:  # noqa: F811
+    cluster = Cluster(tmp_path, grader_address, FakeReplicaGroup())
+    yield cluster
+    cluster.stop()
+
+
+def _slow(pod: FakePod) -> FakePod:
+    pod.trainer.train_seconds = TRAIN_SECONDS
+    return pod
+
+
+def _staleness_of_trained(run: dict[str, Any]) -> list[int]:
+    """For every trained sample row: the version its step trained at (the step record's
+    version minus one) minus the version that sampled it."""
+    records = {s.step: s for s in run["steps"]}
+    lags = []
+    for row in run["samples"]:
+        if row["trained"]:
+            record = records[row["step"]]
+            assert record.metrics["trained"]
+            lags.append(record.policy_version - 1 - row["policy_version"])
+    return lags
+
+
+def _metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_no_trained_sample_is_older_than_max_staleness(
+    cluster: Cluster, max_staleness: int
+) -> None:
+    pods = [_slow(cluster.add("pod-0")), _slow(cluster.add("pod-1"))]
+    run = cluster.run(steps=STEPS, mode="async", max_staleness=max_staleness)
+    assert run["state"].phase == "finished", run["state"].error
+    assert [s.step for s in run["steps"]] == list(range(1, STEPS + 1))
+    lags = _staleness_of_trained(run)
+    assert len(lags) == STEPS * PROMPTS * 4  # every sample trained (each group has variance)
+    assert 0 <= min(lags) and max(lags) <= max_staleness
+    # The producer ran ahead: batches were sampled by older versions while the trainers trained
+    # (with fake generators that take no time, exactly max_staleness behind from then on).
+    assert max(lags) == max_staleness
+    for record in run["steps"]:
+        histogram = record.metrics["staleness_histogram"]
+        assert sum(histogram.values()) == PROMPTS
+        assert all(int(lag) <= max_staleness for lag in histogram)
+        assert record.metrics["groups_dropped_stale"] == 0
+    for pod in pods:
+        assert pod.trainer.version == STEPS and len(pod.trainer.applied) == STEPS
+        assert pod.generator.version == STEPS
+        assert pod.generator.overlaps == 0  # weights applied between generation batches only
+    assert len({_digest(pod.address).sha256 for pod in pods}) == 1
+    _check_every_prompt_once(run["samples"], STEPS)
+    # The status page says so too.
+    rollout = run["state"].view().rollout
+    assert rollout.mode == "async" and rollout.max_staleness == max_staleness
+    assert rollout.buffer_capacity_groups == (max_staleness + 1) * PROMPTS
+    assert sum(rollout.staleness_histogram.values()) == STEPS * PROMPTS
+    assert rollout.staleness_histogram[str(max_staleness)] > 0
+
+
+def _by_step(run: dict[str, Any]) -> list[tuple[int, str, int, bool]]:
+    return sorted(
+        (row["step"], row["prompt_id"], row["policy_version"], row["trained"])
+        for row in run["samples"]
+        if row["index"] == 0
+    )
+
+
+def test_max_staleness_zero_is_the_synchronous_run_step_for_step(
+    tmp_path: Path,
+    grader_address: str,  # noqa: F811
+) -> None:
+    runs, pods = {}, {}
+    for mode, loop in (("sync", {}), ("async", {"mode": "async", "max_staleness": 0})):
+        cluster = Cluster(tmp_path / mode, grader_address, FakeReplicaGroup())
+        pods[mode] = [_slow(cluster.add("pod-0")), _slow(cluster.add("pod-1"))]
+        try:
+            runs[mode] = cluster.run(steps=4, sample_seed=7, **loop)
+        finally:
+            cluster.stop()
+        assert runs[mode]["state"].phase == "finished", runs[mode]["state"].error
+    # Same prompts in the same steps, sampled by the same versions, on the same pods.
+    assert _by_step(runs["sync"]) == _by_step(runs["async"])
+    assert {(r["step"], r["prompt_id"], r["pod"]) for r in runs["sync"]["samples"]} == {
+        (r["step"], r["prompt_id"], r["pod"]) for r in runs["async"]["samples"]
+    }
+    assert all(row["policy_version"] == row["step"] - 1 for row in runs["async"]["samples"])
+    for sync_pod, async_pod in zip(pods["sync"], pods["async"], strict=True):
+        # The same batches trained at the same versions, so the same parameters.
+        assert [
+            (r.policy_version, sorted((s.sample_id, round(s.advantage, 6)) for s in r.sequences))
+            for r in sync_pod.trainer.applied
+        ] == [
+            (r.policy_version, sorted((s.sample_id, round(s.advantage, 6)) for s in r.sequences))
+            for r in async_pod.trainer.applied
+        ]
+        assert sync_pod.trainer.digest == async_pod.trainer.digest
+        assert sync_pod.generator.generated == async_pod.generator.generated
+    for sync_step, async_step in zip(runs["sync"]["steps"], runs["async"]["steps"], strict=True):
+        assert sync_step.policy_version == async_step.policy_version
+        assert sync_step.position_after == async_step.position_after
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_counted(cluster: Cluster) -> None:
+    """A generator that missed syncs samples two prompts with version 0: when their steps
+    train (at versions 3 and 4) those groups are 3 and 4 versions old, more than 1."""
+    pod = _slow(cluster.add("pod-0"))
+    old = {"copy/10", "copy/13"}  # in steps 4 and 5 (3 prompts per step)
+    pod.generator.version_of = lambda prompt_id, version: 0 if prompt_id in old else version
+    groups_before = _metric("podrl_stale_groups_dropped_total")
+    samples_before = _metric("podrl_stale_samples_dropped_total")
+    run = cluster.run(steps=5, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    for step in (4, 5):
+        assert records[step]["groups_dropped_stale"] == 1
+        assert records[step]["samples_dropped_stale"] == 4
+        assert records[step]["groups"] == PROMPTS and records[step]["groups_dropped"] == 1
+        assert records[step]["sequences_trained"] == (PROMPTS - 1) * 4
+    assert sum(r["groups_dropped_stale"] for r in records.values()) == 2
+    rows = [row for row in run["samples"] if row["prompt_id"] in old]
+    assert len(rows) == 8 and not any(row["trained"] for row in rows)
+    assert max(_staleness_of_trained(run)) <= 1
+    # Never sent to a trainer.
+    sent = {s.sample_id.split("#")[0] for r in pod.trainer.applied for s in r.sequences}
+    assert not sent & old
+    rollout = run["state"].view().rollout
+    assert rollout.groups_dropped_stale == 2 and rollout.samples_dropped_stale == 8
+    assert _metric("podrl_stale_groups_dropped_total") - groups_before == 2
+    assert _metric("podrl_stale_samples_dropped_total") - samples_before == 8
+
+
+def test_a_restart_continues_after_the_last_recorded_step_with_the_buffer_drawn_again(
+    cluster: Cluster,
+) -> None:
+    """The producer drew the prompts of two steps ahead; the run stops after step 3: a new
+    controller continues at step 4 with exactly the prompts after step 3's."""
+    pod = _slow(cluster.add("pod-0"))
+    stop = threading.Event()
+
+    def stop_after_3(step: int) -> None:
+        if step == 3:
+            stop.set()
+
+    first = cluster.run(
+        steps=STEPS, on_step=stop_after_3, stop=stop, mode="async", max_staleness=2
+    )
+    assert first["state"].phase == "stopped", first["state"].error
+    assert [s.step for s in first["steps"]] == [1, 2, 3]
+    drawn = len(set(pod.generator.generated))
+    assert drawn > 3 * PROMPTS  # the buffer held prompts of later steps
+    second = cluster.run(steps=STEPS, mode="async", max_staleness=2)
+    assert second["state"].phase == "finished", second["state"].error
+    assert [s.step for s in second["steps"]] == list(range(1, STEPS + 1))
+    assert pod.trainer.version == STEPS and len(pod.trainer.applied) == STEPS
+    trained = [
+        row["prompt_id"] for row in second["samples"] if row["trained"] and row["index"] == 0
+    ]
+    assert trained == [f"copy/{i}" for i in range(STEPS * PROMPTS)]  # none skipped or twice
+    _check_every_prompt_once(second["samples"], STEPS)
+    assert max(_staleness_of_trained(second)) <= 2
+
+
+def test_a_pod_killed_mid_train_in_async_mode_leaves_and_the_step_is_trained_once(
+    cluster: Cluster,
+) -> None:
+    pods = [_slow(cluster.add(f"pod-{i}")) for i in range(3)]
+    victim = pods[1]
+
+    def kill_in_step_3(step: int) -> None:
+        if step == 2:
+            cluster.group.before_exchange.append(victim.kill)
+
+    run = cluster.run(steps=5, on_step=kill_in_step_3, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[3]["pods"] == ["pod-0", "pod-2"] and records[3]["train_sends"] == 2
+    for pod in (pods[0], pods[2]):
+        assert pod.trainer.version == 5 and len(pod.trainer.applied) == 5
+    assert _digest(pods[0].address).sha256 == _digest(pods[2].address).sha256
+    _check_every_prompt_once(run["samples"], 5)
+    assert max(_staleness_of_trained(run)) <= 1
+
+
+def test_a_pod_drained_in_async_mode_keeps_its_samples_and_nothing_is_lost(
+    cluster: Cluster,
+) -> None:
+    pods = [_slow(cluster.add("pod-0")), _slow(cluster.add("pod-1"))]
+    calls = {"n": 0}
+
+    def drain_on_third_generate() -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            cluster.drain("pod-1")
+
+    pods[1].generator.on_generate = drain_on_third_generate
+    run = cluster.run(steps=5, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    assert pods[0].trainer.version == 5
+    assert run["steps"][-1].metrics["pods"] == ["pod-0"]
+    # What the drained pod generated before it left was kept and trained by pod-0.
+    assert any(row["pod"] == "pod-1" and row["trained"] for row in run["samples"])
+    _check_every_prompt_once(run["samples"], 5)
+    assert max(_staleness_of_trained(run)) <= 1
+
+
+def test_a_failed_generate_in_async_mode_is_retried_with_the_same_prompts(
+    cluster: Cluster,
+) -> None:
+    pod = _slow(cluster.add("pod-0"))
+    calls = {"n": 0}
+
+    def fail_second_generate() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected generator failure")  # UNKNOWN: not a lost pod
+
+    pod.generator.on_generate = fail_second_generate
+    failures = REGISTRY.get_sample_value("podrl_step_failures_total", {"phase": "generate"}) or 0
+    run = cluster.run(steps=4, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    after = REGISTRY.get_sample_value("podrl_step_failures_total", {"phase": "generate"}) or 0
+    assert after - failures == 1
+    # The failed call generated nothing; the retry asked for step 2's prompts again, in order.
+    assert pod.generator.generated == [f"copy/{i}" for i in range(4 * PROMPTS)]
+    assert pod.trainer.version == 4
+    _check_every_prompt_once(run["samples"], 4)
