@@ -70,7 +70,7 @@ def test_no_trained_sample_is_older_than_max_staleness(
     assert [s.step for s in run["steps"]] == list(range(1, STEPS + 1))
     lags = _staleness_of_trained(run)
     assert len(lags) == STEPS * PROMPTS * 4  # every sample trained (each group has variance)
-    assert 0 <= min(lags) and max(lags) <= max_staleness
+    assert min(lags) >= 0 and max(lags) <= max_staleness
     # The producer ran ahead: batches were sampled by older versions while the trainers trained
     # (with fake generators that take no time, exactly max_staleness behind from then on).
     assert max(lags) == max_staleness
@@ -177,9 +177,7 @@ def test_a_restart_continues_after_the_last_recorded_step_with_the_buffer_drawn_
         if step == 3:
             stop.set()
 
-    first = cluster.run(
-        steps=STEPS, on_step=stop_after_3, stop=stop, mode="async", max_staleness=2
-    )
+    first = cluster.run(steps=STEPS, on_step=stop_after_3, stop=stop, mode="async", max_staleness=2)
     assert first["state"].phase == "stopped", first["state"].error
     assert [s.step for s in first["steps"]] == [1, 2, 3]
     drawn = len(set(pod.generator.generated))
