@@ -62,7 +62,9 @@ def controller_scaler(tmp_path: Path) -> Iterator[tuple[StandInCluster, LocalSca
     cluster = StandInCluster(config, None, pods=1, on_event=lambda message: None)
     cluster.exit_codes = {}
     controller_scaler = LocalScaler(1)
-    app = build_rest_app(RunState("t", MemberRegistry(60), 1), None, controller_scaler, 4)
+    app = build_rest_app(
+        RunState("t", MemberRegistry(60), 1), None, controller_scaler, 4, auth_disabled=True
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app, host="127.0.0.1", port=cluster.controller_ports["http"], log_config=None

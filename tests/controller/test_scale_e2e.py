@@ -29,8 +29,9 @@ import httpx
 import pytest
 import yaml
 
+from podrl.common.auth import OPERATOR, load_run_secret
 from podrl.common.grpc_options import open_channel
-from podrl.config.auth import SECRET_FILE_ENV
+from podrl.config.auth import SECRET_FILE_ENV, AuthConfig
 from podrl.config.transport import GrpcConfig
 from podrl.models.tiny import make_tiny_model
 from podrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -184,8 +185,14 @@ class Run:
         return httpx.get(f"{self.rest_url()}/v1/steps", timeout=10).json()
 
     def scale(self, replicas: int) -> None:
+        # Signed as podrl scale signs: an operator token made from the run's secret file.
+        secret = load_run_secret(AuthConfig(), {SECRET_FILE_ENV: str(self.run_dir / "run-secret")})
+        assert secret is not None
         reply = httpx.put(
-            f"{self.rest_url()}/v1/workers/replicas", json={"replicas": replicas}, timeout=10
+            f"{self.rest_url()}/v1/workers/replicas",
+            json={"replicas": replicas},
+            headers={"Authorization": f"Bearer {secret.rest_token(OPERATOR, 'scale-e2e')}"},
+            timeout=10,
         )
         assert reply.status_code == 202, reply.text
 

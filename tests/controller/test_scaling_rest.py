@@ -1,11 +1,15 @@
 """One way to scale: ``PUT /v1/workers/replicas`` and ``podrl scale`` over real HTTP, locally
 (the controller's LocalScaler) and in a cluster (KubernetesScaler against the emulated API
-server, with the watch feeding the roster the desired count and the terminating pods)."""
+server, with the watch feeding the roster the desired count and the terminating pods).
+
+The app here holds the suite's run secret, as the controller does: every PUT carries an
+operator token (who may scale: tests/controller/test_rest_auth.py)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +18,9 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.main import main as podrl
+from podrl.common.auth import OPERATOR, RunSecret, load_run_secret
 from podrl.common.processes import free_port
+from podrl.config.auth import AuthConfig
 from podrl.controller.kube_watch import KubeWatch
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
@@ -35,22 +41,37 @@ from tests.controller.test_kube_watch import (
 MAX = 4
 
 
+def suite_secret() -> RunSecret:
+    """The run secret the suite sets for every service (tests/conftest.py)."""
+    secret = load_run_secret(AuthConfig())
+    assert secret is not None
+    return secret
+
+
+def operator_headers(secret: RunSecret | None = None) -> dict[str, str]:
+    """What ``podrl scale`` sends: an operator token signed with the run secret."""
+    token = (secret or suite_secret()).rest_token(OPERATOR, "test-operator")
+    return {"Authorization": f"Bearer {token}"}
+
+
 def _register_pod(registry: MemberRegistry, pod: str) -> None:
     for component in (1, 2, 3):
         registry.register(pod, component, f"10.0.0.{len(pod)}:{5000 + component}", f"{pod}-1")
 
 
-Serve = Callable[[RunState, ReplicaScaler | None], str]
+Serve = Callable[..., str]
 
 
 @pytest.fixture
 def serve() -> Iterator[Serve]:
-    """The real REST app on a free port; its base URL."""
+    """The real REST app on a free port, holding the suite's run secret unless ``app_options``
+    say otherwise (``secret=``, ``auth_disabled=``); its base URL."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(state: RunState, scaler: ReplicaScaler | None) -> str:
+    def start(state: RunState, scaler: ReplicaScaler | None, **app_options: Any) -> str:
         port = free_port()
-        app = build_rest_app(state, None, scaler, MAX)
+        app_options.setdefault("secret", suite_secret())
+        app = build_rest_app(state, None, scaler, MAX, **app_options)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
@@ -83,7 +104,9 @@ def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> 
     _register_pod(registry, "local-0")
     roster = PodRoster(registry, desired_replicas=scaler.desired_replicas)
     url = serve(_state(registry, roster), scaler)
-    reply = httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 3}, timeout=5)
+    reply = httpx.put(
+        f"{url}/v1/workers/replicas", json={"replicas": 3}, headers=operator_headers(), timeout=5
+    )
     assert reply.status_code == 202
     assert reply.json() == {"desired_replicas": 3, "max_replicas": MAX}
     assert changes == [3]
@@ -116,7 +139,9 @@ def test_put_replicas_out_of_range_or_not_an_integer_is_a_422_naming_the_field(
 ) -> None:
     scaler = LocalScaler(1)
     url = serve(RunState("scale", MemberRegistry(60), 1), scaler)
-    reply = httpx.put(f"{url}/v1/workers/replicas", json=body, timeout=5)
+    reply = httpx.put(
+        f"{url}/v1/workers/replicas", json=body, headers=operator_headers(), timeout=5
+    )
     assert reply.status_code == 422
     locations = [tuple(error["loc"]) for error in reply.json()["detail"]]
     assert ("body", "replicas") in locations or ("body", "pods") in locations
@@ -135,7 +160,10 @@ def test_podrl_scale_calls_the_controller(serve: Serve, capsys: pytest.CaptureFi
 
 def test_a_controller_without_a_scaler_says_so(serve: Serve) -> None:
     url = serve(RunState("scale", MemberRegistry(60), 1), None)
-    assert httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 2}).status_code == 501
+    reply = httpx.put(
+        f"{url}/v1/workers/replicas", json={"replicas": 2}, headers=operator_headers(), timeout=5
+    )
+    assert reply.status_code == 501
 
 
 @pytest.fixture
@@ -167,7 +195,12 @@ def test_in_a_cluster_put_replicas_scales_the_statefulset_and_the_roster_follows
         )
         assert [pod.id for pod in roster.admit()] == ["podrl-worker-0", "podrl-worker-1"]
         url = serve(_state(registry, roster), scaler)
-        reply = httpx.put(f"{url}/v1/workers/replicas", json={"replicas": 1}, timeout=10)
+        reply = httpx.put(
+            f"{url}/v1/workers/replicas",
+            json={"replicas": 1},
+            headers=operator_headers(),
+            timeout=10,
+        )
         assert reply.status_code == 202
         apps = client.AppsV1Api(kube)
         assert apps.read_namespaced_stateful_set(STATEFULSET, NAMESPACE).spec.replicas == 1

@@ -20,7 +20,9 @@ from podrl.cli.long_work import add_export_parser
 from podrl.cli.probes import grpc_health
 from podrl.cli.run_progress import follow_run
 from podrl.cli.status_table import render_status
+from podrl.common.auth import OPERATOR, RunSecret, load_run_secret
 from podrl.config import ConfigError, RunConfig, load_config
+from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV, AuthConfig
 
 console = Console(stderr=False)
 
@@ -146,11 +148,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_cluster(config, args.config, args.startup_timeout, body, args.pods)
 
 
+#: The worker id ``podrl scale``'s operator token names (it shows in the controller's log).
+SCALE_OPERATOR_ID = "podrl-scale"
+
+
+def _scale_secret(args: argparse.Namespace) -> tuple[RunSecret | None, str]:
+    """The run secret ``podrl scale`` signs with, and where it was looked for: the services'
+    own variables (``PODRL_RUN_SECRET_FILE`` / ``PODRL_RUN_SECRET``) first, else the
+    ``run-secret`` file ``podrl up``/``podrl run`` write into the run dir of ``--config`` (the
+    built-in run dir without it). None when neither exists or the config says auth.disabled.
+    Raises ConfigError for a secret that is there but unusable (unreadable, short, twice)."""
+    if SECRET_FILE_ENV in os.environ or SECRET_VALUE_ENV in os.environ:
+        return load_run_secret(AuthConfig(), os.environ), "the environment"
+    config = load_config(args.config)
+    if config.auth.disabled:
+        return None, "none needed: the config says auth.disabled"
+    secret_file = config.run_dir / "run-secret"
+    if not secret_file.exists():
+        return None, f"{SECRET_FILE_ENV}, {SECRET_VALUE_ENV} or {secret_file}"
+    return load_run_secret(config.auth, {SECRET_FILE_ENV: str(secret_file)}), str(secret_file)
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
-    """``podrl scale --replicas N``: PUT /v1/workers/replicas on the controller."""
+    """``podrl scale --replicas N``: PUT /v1/workers/replicas on the controller, with an
+    operator token signed by the run secret (docs/security.md)."""
     url = f"{args.url.rstrip('/')}/v1/workers/replicas"
     try:
-        reply = httpx.put(url, json={"replicas": args.replicas}, timeout=args.timeout)
+        secret, looked_in = _scale_secret(args)
+    except ConfigError as err:
+        print(f"podrl scale: {err}", file=sys.stderr)
+        return 2
+    headers = {}
+    if secret is not None:
+        headers["Authorization"] = f"Bearer {secret.rest_token(OPERATOR, SCALE_OPERATOR_ID)}"
+    try:
+        reply = httpx.put(
+            url, json={"replicas": args.replicas}, headers=headers, timeout=args.timeout
+        )
     except httpx.HTTPError as err:
         print(f"podrl scale: cannot reach {url}: {err}", file=sys.stderr)
         return 1
@@ -164,6 +198,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
                 f"{'.'.join(str(x) for x in e.get('loc', [])[1:])}: {e.get('msg')}" for e in detail
             )
         print(f"podrl scale: {reply.status_code}: {detail}", file=sys.stderr)
+        if reply.status_code == 401:
+            print(
+                f"podrl scale: signed with the run secret from {looked_in}"
+                if secret is not None
+                else f"podrl scale: no run secret found (looked in {looked_in}); set "
+                f"{SECRET_FILE_ENV} to the run's secret file, or pass the run's --config",
+                file=sys.stderr,
+            )
         return 2 if reply.status_code == 422 else 1
     body = reply.json()
     console.print(
@@ -253,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--url",
         default=os.environ.get("PODRL_URL", "http://127.0.0.1:8080"),
         help="controller REST URL (default: $PODRL_URL or http://127.0.0.1:8080)",
+    )
+    scale.add_argument(
+        "--config",
+        help="the run's config YAML: its run dir holds the run-secret podrl up/run wrote "
+        f"(default: built-in defaults; {SECRET_FILE_ENV} or {SECRET_VALUE_ENV} take precedence)",
     )
     scale.add_argument("--timeout", type=float, default=10.0)
     scale.set_defaults(func=cmd_scale)

@@ -20,6 +20,12 @@ Every server checks them in one interceptor (:class:`AuthServerInterceptor`, ins
   accept a worker only as itself).
 
 With ``auth.disabled`` there is no secret: nothing is checked and :func:`current_caller` is None.
+
+The controller's REST API takes the same kind of claim for the calls that change the run
+(``PUT /v1/workers/replicas``): a **bearer token** ``<role>.<worker id>.<mac>``
+(:meth:`RunSecret.rest_token`, checked by :meth:`RunSecret.verify_rest_token`), signed the same way
+with a key of its own purpose, so that a REST token is never a gRPC credential nor the other
+way round. Its roles add :data:`OPERATOR`, a person or tool (``podrl scale``) outside the run.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ log = logging.getLogger(__name__)
 
 ROLES = ("controller", "generator", "grader", "trainer")
 CONTROLLER = "controller"
+#: A person or tool acting on the run from outside it (``podrl scale``): REST tokens only.
+OPERATOR = "operator"
+#: Roles a REST bearer token may claim.
+REST_ROLES = (*ROLES, OPERATOR)
+#: Who may change the run through REST (scale it): the operator, and the controller itself.
+REST_CHANGE_ROLES = frozenset({OPERATOR, CONTROLLER})
 
 #: Metadata keys of a caller's claim (gRPC metadata keys are lower case).
 ROLE_KEY = "podrl-role"
@@ -78,6 +90,9 @@ CONTROLLER_ONLY = frozenset(
 )
 
 _CALLER_MAC_PURPOSE = "podrl rpc caller v1"
+#: Another purpose, another key: a REST token (it may sit in a shell's history or a proxy's
+#: log) must not also sign gRPC calls, and the gRPC metadata must not open the REST API.
+_REST_TOKEN_PURPOSE = "podrl rest bearer v1"
 
 
 def worker_id_problem(worker_id: str) -> str | None:
@@ -108,8 +123,37 @@ class RunSecret:
         return hmac.new(self.value, purpose.encode(), hashlib.sha256).digest()
 
     def caller_mac(self, role: str, worker_id: str) -> str:
+        return self._claim_mac(_CALLER_MAC_PURPOSE, role, worker_id)
+
+    def rest_token(self, role: str, worker_id: str) -> str:
+        """The bearer token of ``role`` as ``worker_id`` for the controller's REST API:
+        ``<role>.<worker_id>.<hex HMAC-SHA256 over role \\0 worker_id>``, keyed for REST only."""
+        if role not in REST_ROLES:
+            raise ValueError(f"role must be one of {', '.join(REST_ROLES)} (got {role!r})")
+        problem = worker_id_problem(worker_id)
+        if problem:
+            raise ValueError(f"worker_id {problem}")
+        return f"{role}.{worker_id}.{self._claim_mac(_REST_TOKEN_PURPOSE, role, worker_id)}"
+
+    def verify_rest_token(self, token: str) -> Caller | str:
+        """The caller a REST bearer token names, or why it is refused (malformed, or not
+        signed with this secret). Roles never contain '.' and the MAC is hex, so the worker id
+        is what lies between the first and the last dot (worker ids may hold dots)."""
+        role, _, rest = token.partition(".")
+        worker_id, _, mac = rest.rpartition(".")
+        if not role or not worker_id or not mac:
+            return "the token is not of the form <role>.<worker id>.<mac>"
+        expected = self._claim_mac(_REST_TOKEN_PURPOSE, role, worker_id)
+        # Constant time, as for the gRPC claim.
+        if not hmac.compare_digest(expected.encode(), mac.encode("utf-8", "replace")):
+            return "the token does not match this run's secret"
+        if role not in REST_ROLES:  # a MAC made with the secret cannot name another role
+            return f"unknown role {role!r}"
+        return Caller(role, worker_id)
+
+    def _claim_mac(self, purpose: str, role: str, worker_id: str) -> str:
         message = f"{role}\0{worker_id}".encode()
-        return hmac.new(self.key(_CALLER_MAC_PURPOSE), message, hashlib.sha256).hexdigest()
+        return hmac.new(self.key(purpose), message, hashlib.sha256).hexdigest()
 
 
 def _checked_secret(text: str, source: str) -> RunSecret:

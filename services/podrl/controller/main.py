@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from podrl.common.auth import CONTROLLER, CallerCredentials
+from podrl.common.auth import CONTROLLER, CallerCredentials, load_run_secret
 from podrl.common.service import ServiceSpec, port_in_use_error, serve
 from podrl.config import RunConfig
 from podrl.controller.clients import WorkerClients
@@ -141,15 +141,20 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     store = RunStore(config.run_dir / "controller.sqlite")
     servicer = ControllerServicer(state, section.heartbeat_interval_seconds)
     side_servers: list = [] if watch is None else [KubeWatchServer(watch)]
-    side_servers.append(
-        RestServer(
-            build_rest_app(state, store, scaler, section.max_worker_pods),
-            section.bind_host,
-            section.http_port,
-        )
+    # One secret for both: the REST API's changes and the controller's own gRPC calls.
+    secret = load_run_secret(config.auth)
+    rest = build_rest_app(
+        state,
+        store,
+        scaler,
+        section.max_worker_pods,
+        secret=secret,
+        auth_disabled=config.auth.disabled,
     )
+    side_servers.append(RestServer(rest, section.bind_host, section.http_port))
     clients = WorkerClients(
-        config.grpc, CallerCredentials.for_role(CONTROLLER, config.worker_id, config.auth)
+        config.grpc,
+        None if secret is None else CallerCredentials(secret, CONTROLLER, config.worker_id),
     )
     on_drain = []
     if config.loop.steps:

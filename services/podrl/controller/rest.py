@@ -1,16 +1,25 @@
-"""REST API of the controller (FastAPI): probes, status, workers, scaling, Prometheus metrics."""
+"""REST API of the controller (FastAPI): probes, status, workers, scaling, Prometheus metrics.
+
+Reading is open (probes, status, history, metrics, dashboard); every route that changes the
+run (any method but GET/HEAD: today ``PUT /v1/workers/replicas``) requires a bearer token
+signed with the run secret of a role in ``REST_CHANGE_ROLES`` (operator or controller): 401
+without one or with a wrong one, 403 for another role (docs/security.md, "The REST API").
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 import podrl
+from podrl.common.auth import REST_CHANGE_ROLES, Caller, RunSecret
 from podrl.controller.evaluation import EvalView, stored_evaluations
 from podrl.controller.run_store import RunStore
 from podrl.controller.scaling import ReplicaScaler, ScaleError
@@ -34,14 +43,66 @@ class ReplicasView(BaseModel):
     max_replicas: int = Field(description="The most that may be asked for (max_worker_pods).")
 
 
+#: Where the token goes (also declares the scheme in the OpenAPI document). Not auto_error:
+#: FastAPI would answer 403 to a missing header; a missing credential is a 401 here.
+_BEARER = HTTPBearer(auto_error=False, description="`<role>.<worker id>.<mac>`: podrl scale")
+
+
+def _refuse(request: Request, status: int, message: str) -> HTTPException:
+    client = request.client
+    peer = f"{client.host}:{client.port}" if client else "unknown peer"
+    log.warning("refused %s %s from %s: %s", request.method, request.url.path, peer, message)
+    headers = {"WWW-Authenticate": 'Bearer realm="podrl"'} if status == 401 else None
+    return HTTPException(status, message, headers=headers)
+
+
+def change_guard(secret: RunSecret | None, auth_disabled: bool) -> Callable[..., Caller | None]:
+    """The FastAPI dependency of every route that changes the run: the verified caller (None
+    when ``auth_disabled``), else 401/403 with a JSON ``detail`` saying what is missing."""
+
+    def guard(
+        request: Request,
+        bearer: HTTPAuthorizationCredentials | None = Depends(_BEARER),  # noqa: B008
+    ) -> Caller | None:
+        if auth_disabled:
+            return None
+        fix = (
+            "send Authorization: Bearer <token>, a token of role operator signed with the "
+            "run secret (podrl scale makes it from PODRL_RUN_SECRET_FILE, PODRL_RUN_SECRET or "
+            "the run dir's run-secret; docs/security.md)"
+        )
+        if bearer is None:
+            raise _refuse(request, 401, f"this call changes the run: it needs credentials; {fix}")
+        if secret is None:  # built without the secret and not told auth is off: refuse all
+            raise _refuse(request, 401, "this controller holds no run secret; no change accepted")
+        caller = secret.verify_rest_token(bearer.credentials)
+        if isinstance(caller, str):
+            raise _refuse(request, 401, f"{caller}; {fix}")
+        if caller.role not in REST_CHANGE_ROLES:
+            raise _refuse(
+                request,
+                403,
+                f"role {caller.role} ({caller.worker_id}) may not change the run; only "
+                f"{' or '.join(sorted(REST_CHANGE_ROLES))} may",
+            )
+        return caller
+
+    return guard
+
+
 def build_rest_app(
     state: RunState,
     store: RunStore | None = None,
     scaler: ReplicaScaler | None = None,
     max_replicas: int = 1,
+    *,
+    secret: RunSecret | None = None,
+    auth_disabled: bool = False,
 ) -> FastAPI:
     """``scaler`` sets the desired pod count (``PUT /v1/workers/replicas``), up to
-    ``max_replicas`` (``controller.max_worker_pods``)."""
+    ``max_replicas`` (``controller.max_worker_pods``). Changes need a bearer token signed with
+    ``secret``; ``auth_disabled`` (``auth.disabled``) lets anyone change. Without either no
+    change is accepted: a forgotten secret fails closed."""
 
     app = FastAPI(
         title="podrl controller",
@@ -50,6 +111,7 @@ def build_rest_app(
     )
 
     dashboard_html = (Path(__file__).parent / "dashboard.html").read_text()
+    guard = change_guard(secret, auth_disabled)
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
@@ -130,13 +192,18 @@ def build_rest_app(
         "share of a step in flight is done by the others). 422 when `replicas` is not an "
         f"integer from 1 to {max_replicas}.",
         responses={
+            401: {"description": "No bearer token, or one not signed with the run secret."},
+            403: {"description": "The token's role may not scale (only operator, controller)."},
             422: {"description": "replicas missing, not an integer, or out of range."},
             501: {"description": "This controller cannot scale (no scaler configured)."},
             502: {"description": "The Kubernetes API refused the scale call (the body says why)."},
             503: {"description": "The Kubernetes API server could not be reached."},
         },
     )
-    def put_replicas(body: ReplicasRequest) -> ReplicasView:
+    def put_replicas(
+        body: ReplicasRequest,
+        caller: Caller | None = Depends(guard),  # noqa: B008
+    ) -> ReplicasView:
         if body.replicas > max_replicas:  # the same 422 as the model's own checks
             raise HTTPException(
                 422,
@@ -156,7 +223,8 @@ def build_rest_app(
             scaler.set_replicas(body.replicas)
         except ScaleError as err:
             raise HTTPException(_scale_error_status(err), str(err)) from err
-        log.info("desired worker pods set to %d (REST)", body.replicas)
+        by = "auth disabled" if caller is None else f"{caller.role} {caller.worker_id}"
+        log.info("desired worker pods set to %d (REST, %s)", body.replicas, by)
         return ReplicasView(desired_replicas=body.replicas, max_replicas=max_replicas)
 
     @app.get(
