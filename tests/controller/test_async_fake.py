@@ -83,6 +83,20 @@ def test_no_trained_sample_is_older_than_max_staleness(
         assert pod.trainer.version == STEPS and len(pod.trainer.applied) == STEPS
         assert pod.generator.version == STEPS
         assert pod.generator.overlaps == 0  # weights applied between generation batches only
+        # Each trained sequence carries the version that sampled it and that generator's own
+        # logprobs: the trainer's importance ratio is against the behaviour policy.
+        for request in pod.trainer.applied:
+            for sequence in request.sequences:
+                assert request.policy_version - max_staleness <= sequence.policy_version
+                assert sequence.policy_version <= request.policy_version
+                assert list(sequence.generator_logprobs) == [-0.5] * len(sequence.completion_ids)
+    sent = [
+        s.policy_version < r.policy_version
+        for p in pods
+        for r in p.trainer.applied
+        for s in r.sequences
+    ]
+    assert any(sent)
     assert len({_digest(pod.address).sha256 for pod in pods}) == 1
     _check_every_prompt_once(run["samples"], STEPS)
     # The status page says so too.
