@@ -25,9 +25,11 @@ What each container gets, and how it is emulated here:
   ``allowPrivilegeEscalation: false``, so the read-only folders bind root as well.
 - **Its network.** Containers share the machine's loopback like a pod's containers share
   the pod's network namespace: the pod IP is 127.0.0.1; host names the caller maps (the
-  controller Service) resolve to loopback by rewriting env values, args and config files;
-  ports the caller maps are used instead of the manifest's wherever a probe names them (the
-  caller also gives the processes the overrides that make them listen there).
+  controller Service) resolve to loopback by rewriting env values, args and config files,
+  and so do ``host:port`` values naming such a host, whose port is mapped too (a Service
+  port that leads to a remapped container port); ports the caller maps are used instead of
+  the manifest's wherever a probe names them (the caller also gives the processes the
+  overrides that make them listen there).
 
 Init containers run one after the other to completion before the other containers start.
 """
@@ -321,6 +323,9 @@ class LocalPod:
     def _rewrite(self, value: str, root: Path) -> str:
         """A manifest string as the local process must see it: host names mapped, absolute
         paths under the container's root."""
+        host, colon, port = value.rpartition(":")
+        if colon and host in self.hosts and port.isdigit():
+            value = f"{self.hosts[host]}:{self.port_map.get(int(port), int(port))}"
         value = self.hosts.get(value, value)
         return self._rooted(value, root)
 

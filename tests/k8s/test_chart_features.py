@@ -288,8 +288,14 @@ def test_persistence_off_uses_empty_dirs_and_an_existing_claim_is_used_as_is() -
 
 
 def _service_containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """podrl's four services (not the Lighthouse: torchft's, it authenticates nobody)."""
     pods = {"controller": _controller_pod(objects), "worker": worker_pod(objects)}
-    return [(name, c) for name, pod in pods.items() for c in pod["containers"]]
+    return [
+        (name, c)
+        for name, pod in pods.items()
+        for c in pod["containers"]
+        if c["name"] != "lighthouse"
+    ]
 
 
 def test_the_chart_creates_a_random_run_secret_mounted_in_every_service_container() -> None:
@@ -477,7 +483,9 @@ def _allowed(
                 for peer in peers
             )
             ports = rule.get("ports")
-            port_ok = ports is None or any(p["port"] == port for p in ports)
+            port_ok = ports is None or any(
+                p["port"] <= port <= p.get("endPort", p["port"]) for p in ports
+            )
             if peer_ok and port_ok:
                 return True
     return False
@@ -519,6 +527,20 @@ def test_network_policies_let_only_the_controller_and_the_test_pod_reach_worker_
     assert _allowed(policies, labels["test"], controller, 50050)
     assert not _allowed(policies, stranger, controller, 50050)
     assert _allowed(policies, stranger, controller, 8080)  # REST: restFrom [] = everyone
+    # The torchft Lighthouse sidecar: worker pods only.
+    assert _allowed(policies, worker, controller, 29510)
+    for source in (labels["test"], stranger, prometheus):
+        assert not _allowed(policies, source, controller, 29510)
+    # Trainers of other pods: every TCP port (torchft's and gloo's are ephemeral) but the
+    # services' own, which stay the controller's and the test pod's (and Prometheus').
+    for port in (1, 1024, 29511, 32768, 45000, 50050, 50054, 60999, 65535):
+        assert _allowed(policies, worker, worker, port), port
+        assert not _allowed(policies, stranger, worker, port), port
+        assert not _allowed(policies, controller, worker, port), port
+    for port in (50051, 50052, 50053):
+        assert not _allowed(policies, worker, worker, port), port
+    for port in (9101, 9102, 9103):
+        assert not _allowed(policies, worker, worker, port), port  # metricsFrom: Prometheus
 
 
 # ---- GPU count --------------------------------------------------------------------------------
@@ -594,7 +616,7 @@ def test_every_service_container_has_usage_statistics_off() -> None:
         assert env["DO_NOT_TRACK"] == "1", (pod_name, c["name"])
 
 
-def test_notes_print_the_next_commands_and_the_scaling_caveat() -> None:
+def test_notes_print_the_next_commands_and_how_to_scale() -> None:
     notes = helm_notes({})
     for command in (
         f"kubectl -n {NAMESPACE} get pods -l app.kubernetes.io/instance={RELEASE}",
@@ -605,7 +627,18 @@ def test_notes_print_the_next_commands_and_the_scaling_caveat() -> None:
         f"kubectl -n {NAMESPACE} scale statefulset {RELEASE}-worker --replicas=N",
     ):
         assert command in notes, command
-    # Several pods train together only through a torchft Lighthouse, which the chart does not
-    # run yet: NOTES must say so next to the scale command.
-    assert "does not yet run the torchft Lighthouse" in " ".join(notes.split())
-    assert "keep one worker pod" in notes
+    for command in (
+        "curl -X PUT -H 'Content-Type: application/json' -d '{\"replicas\": N}' "
+        "http://127.0.0.1:8080/v1/workers/replicas",
+        "podrl scale --replicas N --url http://127.0.0.1:8080",
+        f"kubectl -n {NAMESPACE} logs deploy/{RELEASE}-controller    (-c lighthouse",
+    ):
+        assert command in notes, command
+    text = " ".join(notes.split())
+    assert "1 to 8 pods" in text
+    assert f"port 29510 of svc/{RELEASE}-controller" in text
+    assert "keep one" not in text and "does not yet" not in text
+    # Without scaling (max_worker_pods: 1) there is no Lighthouse, and NOTES say so.
+    single = " ".join(helm_notes({"runConfig": {"controller": {"max_worker_pods": 1}}}).split())
+    assert "Scaling is off: runConfig.controller.max_worker_pods is 1" in single
+    assert "-c lighthouse" not in single

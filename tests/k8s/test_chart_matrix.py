@@ -120,6 +120,8 @@ def test_probes_are_native_grpc_with_the_service_names_the_services_register(cas
     }
     for pod_name, pod in pods.items():
         for c in pod["containers"]:
+            if c["name"] == "lighthouse":
+                continue  # not gRPC health: tests/k8s/test_lighthouse_chart.py
             port = getattr(defaults, c["name"]).grpc_port
             named = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert port in named.values(), (pod_name, c["name"], named)
@@ -291,6 +293,9 @@ def test_each_container_loads_the_rendered_run_config(gpu_mode: str, tmp_path: P
         "podrl-controller-5d9f7": find(objects, "Deployment")["spec"]["template"]["spec"],
         "podrl-worker-0": worker_pod(objects),
     }
+    lighthouse_port = {p["name"]: p["port"] for p in controller_service["spec"]["ports"]}[
+        "lighthouse"
+    ]
     for pod_name, pod in pods.items():
         mounts = {v["name"]: v for v in pod["volumes"]}
         for c in pod["containers"]:
@@ -306,6 +311,18 @@ def test_each_container_loads_the_rendered_run_config(gpu_mode: str, tmp_path: P
                 },
             )
             config = load_config(path, env)
+            replication = config.trainer.replication
+            if c["name"] == "lighthouse":  # podrl-lighthouse reads trainer.replication
+                assert replication.lighthouse_bind == f"0.0.0.0:{lighthouse_port}"
+                writes = [Path(env["HOME"]), Path(env["XDG_CACHE_HOME"])]
+                assert all(_mount_of(c, f) and not _mount_of(c, f).get("readOnly") for f in writes)
+                continue
+            # Every worker pod's trainer is a replica group at the controller Service's port.
+            expected = f"{RELEASE}-controller.{NAMESPACE}.svc:{lighthouse_port}"
+            assert replication.enabled is (c["name"] == "trainer"), c["name"]
+            if c["name"] == "trainer":
+                assert replication.lighthouse_address == expected
+                assert config.worker_id == pod_name  # the replica id: one group per pod
             section = getattr(config, c["name"])
             assert config.worker_id == pod_name
             assert section.bind_host == "0.0.0.0"

@@ -6,8 +6,11 @@ on the ports their probes name; the worker pod registers and the controller is r
 Pod starts: the default values (GPUs through DRA; on this CPU machine the trainer's and
 generator's ``device: auto`` picks the CPU), and the CPU variant of ``k8s/podrl-cpu.yaml``
 with its model from a PVC (the default install's model comes from the ``tiny`` init
-container). The device-plugin fallback runs the very same processes as the default values
-(checked below, without a start): only the GPU resources and NVIDIA_* variables differ.
+container) and ``workers.replicas: 2`` (pod 0 runs here). The controller pod's second
+container, the torchft Lighthouse (``podrl-lighthouse`` from the trainer image), starts too;
+the worker pod's trainer is given its address through the controller Service. The
+device-plugin fallback runs the very same processes as the default values (checked below,
+without a start): only the GPU resources and NVIDIA_* variables differ.
 
 Loopback stands for the cluster network: the controller Service's DNS name and the pod IPs map
 to 127.0.0.1. The manifest's ports are used when free on this machine; a busy one is remapped
@@ -25,6 +28,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +54,23 @@ HELD_PORT = ("grader-prom", 9102)  # kept busy during each start: exercises the 
 PORT_FIELDS = {
     "grpc": "PODRL_CONTROLLER__GRPC_PORT",
     "http": "PODRL_CONTROLLER__HTTP_PORT",
+    "lighthouse": "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_BIND",
     **{
         f"{service}-{kind}": f"PODRL_{service.upper()}__{field}"
         for service in ("trainer", "generator", "grader")
         for kind, field in (("grpc", "GRPC_PORT"), ("prom", "METRICS_PORT"))
     },
 }
+# The override's value for a local port (the Lighthouse's field is a bind address).
+PORT_VALUES = {"lighthouse": "0.0.0.0:{port}"}
+LIGHTHOUSE_ADDRESS = "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS"
 NVIDIA_VARIABLES = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 
 CPU_VARIANT = next(v for v in VARIANTS if v.filename == "podrl-cpu.yaml")
 CPU_WITH_MODEL_PVC = {
     **CPU_VARIANT.chart_values,
     "model": {"source": "pvc", "pvc": {"claimName": "models"}, "folder": "tiny"},
+    "workers": {**CPU_VARIANT.chart_values.get("workers", {}), "replicas": 2},
 }
 STARTS = {"default": {}, "cpu": CPU_WITH_MODEL_PVC}
 
@@ -120,7 +129,7 @@ def _port_map(pods: dict[str, dict[str, Any]]) -> tuple[dict[int, int], dict[str
         with socket.socket() as sock:
             sock.bind(("0.0.0.0", 0))
             port_map[port] = sock.getsockname()[1]
-        overrides[PORT_FIELDS[name]] = str(port_map[port])
+        overrides[PORT_FIELDS[name]] = PORT_VALUES.get(name, "{port}").format(port=port_map[port])
     return port_map, overrides
 
 
@@ -208,7 +217,7 @@ def running(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Runnin
 
         def serving() -> bool:
             return all(
-                pod.probe(c, "readinessProbe") == "SERVING"
+                pod.probe(c, "readinessProbe") == _ready_answer(c.spec["readinessProbe"])
                 for pod in release.pods
                 for c in pod.main_containers()
             )
@@ -227,14 +236,21 @@ def running(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Runnin
         held.close()
 
 
+def _ready_answer(probe: dict[str, Any]) -> str:
+    """What a passing probe answers: 200 for httpGet, SERVING for gRPC health."""
+    return "200" if "httpGet" in probe else "SERVING"
+
+
 @pytest.mark.slow
 def test_every_container_reports_serving_on_the_port_its_probes_name(
     running: RunningRelease,
 ) -> None:
+    names = {c.name for c in running.controller.main_containers()}
+    assert names == {"controller", "lighthouse"}
     for pod in running.pods:
         for c in pod.main_containers():
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                expected = "200" if "httpGet" in c.spec[kind] else "SERVING"
+                expected = _ready_answer(c.spec[kind])
                 assert pod.probe(c, kind) == expected, (running.name, c.name, kind)
 
 
@@ -269,8 +285,14 @@ def test_a_busy_port_is_remapped_for_every_container(running: RunningRelease) ->
 
 @pytest.mark.slow
 def test_every_container_reads_the_run_secret_from_its_mount(running: RunningRelease) -> None:
+    """Every podrl service; not the Lighthouse, which authenticates nobody (torchft's)."""
+    lighthouse = running.controller.container("lighthouse")
+    assert "PODRL_RUN_SECRET_FILE" not in lighthouse.env
+    assert not lighthouse.path("/var/run/secrets/podrl").exists()
     for pod in running.pods:
         for c in pod.main_containers():
+            if c is lighthouse:
+                continue
             file = c.env["PODRL_RUN_SECRET_FILE"]
             assert file == str(c.path("/var/run/secrets/podrl/run-secret")), c.name
             assert Path(file).read_bytes() == running.run_secret, c.name
@@ -285,6 +307,52 @@ def test_trainer_and_generator_load_one_read_only_model_folder(running: RunningR
     model = folder / "tiny" if running.name == "cpu" else folder
     assert (model / "config.json").is_file()
     assert not any(path.stat().st_mode & 0o222 for path in (folder, *folder.rglob("*")))
+
+
+@pytest.mark.slow
+def test_the_trainer_gets_the_address_of_the_lighthouse_sidecar(running: RunningRelease) -> None:
+    """The worker pod's trainer (pod 0 of ``replicas: 2`` in the cpu start) is given the
+    Lighthouse through the controller Service; its running process reports that address,
+    and there the controller pod's Lighthouse answers a torchft quorum request, which its
+    status page (the probes' target) then shows."""
+    from torchft.coordination import LighthouseClient
+
+    from podrl.common.auth import CallerCredentials
+    from podrl.common.grpc_options import open_channel
+    from podrl.config.auth import AuthConfig
+    from podrl.config.transport import GrpcConfig
+    from podrl.v1 import common_pb2, trainer_pb2_grpc
+
+    if running.name == "cpu":
+        assert find(running.objects, "StatefulSet")["spec"]["replicas"] == 2
+    lighthouse = running.controller.container("lighthouse")
+    local = f"127.0.0.1:{running.controller.port(lighthouse, 'lighthouse')}"
+    trainer = running.worker.container("trainer")
+    assert trainer.env[LIGHTHOUSE_ADDRESS] == local  # the Service's name and port, mapped here
+    others = [*running.worker.main_containers(), *running.controller.main_containers()]
+    assert [c.name for c in others if LIGHTHOUSE_ADDRESS in c.env] == ["trainer"]
+
+    secret_env = {"PODRL_RUN_SECRET_FILE": trainer.env["PODRL_RUN_SECRET_FILE"]}
+    credentials = CallerCredentials.for_role("controller", CONTROLLER_POD, AuthConfig(), secret_env)
+    port = running.worker.port(trainer, "trainer-grpc")
+    with open_channel(f"127.0.0.1:{port}", GrpcConfig(), credentials) as channel:
+        info = trainer_pb2_grpc.TrainerStub(channel).Info(common_pb2.InfoRequest(), timeout=30)
+    assert info.info.details["lighthouse"] == local
+
+    client = LighthouseClient(f"http://{local}", connect_timeout=timedelta(seconds=10))
+    probe = f"{WORKER_POD}-probe"
+    quorum = client.quorum(
+        replica_id=probe,
+        timeout=timedelta(seconds=30),
+        address="127.0.0.1:1",
+        store_address="127.0.0.1:2",
+        step=0,
+        world_size=1,
+    )
+    assert [member.replica_id for member in quorum.participants] == [probe]
+    path = lighthouse.spec["readinessProbe"]["httpGet"]["path"]
+    status = httpx.get(f"http://{local}{path}", timeout=5)
+    assert status.status_code == 200 and probe in status.text
 
 
 def test_a_pod_whose_volume_is_read_only_and_writable_at_once_is_refused(tmp_path) -> None:

@@ -87,11 +87,13 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* Image reference of a service; pass (dict "root" $ "service" "generator"). */}}
+{{/* Image reference of a service; pass (dict "root" $ "service" "generator"), optionally
+"variant" (cpu or cuda) instead of images.variant. */}}
 {{- define "podrl.image" -}}
 {{- $images := .root.Values.images -}}
 {{- $tag := default .root.Chart.AppVersion $images.tag -}}
-{{- if and (eq $images.variant "cpu") (has .service (list "generator" "trainer")) -}}
+{{- $variant := default $images.variant .variant -}}
+{{- if and (eq $variant "cpu") (has .service (list "generator" "trainer")) -}}
 {{- $tag = printf "%s-cpu" $tag -}}
 {{- end -}}
 {{- printf "%s/%s:%s" $images.registry (get $images.names .service) $tag -}}
@@ -113,6 +115,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- else -}}
 {{- get $defaults .service -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The torchft Lighthouse that forms each step's quorum of the worker pods' trainers
+(docs/scaling.md): a sidecar container of the controller pod whenever more than one worker pod
+may run (runConfig.controller.max_worker_pods > 1; podrl's default is 8), as `podrl up` starts
+one then. "true" or "". */}}
+{{- define "podrl.lighthouseEnabled" -}}
+{{- if gt (int (dig "controller" "max_worker_pods" 8 .Values.runConfig)) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Lighthouse's port: the port of runConfig.trainer.replication.lighthouse_bind
+(podrl's default [::]:29510). It must be fixed: the controller Service exposes it. */}}
+{{- define "podrl.lighthousePort" -}}
+{{- $bind := toString (dig "trainer" "replication" "lighthouse_bind" "[::]:29510" .Values.runConfig) -}}
+{{- $port := regexFind ":[0-9]+$" $bind | trimPrefix ":" -}}
+{{- if or (not $port) (lt (int $port) 1) (gt (int $port) 65535) -}}
+{{- fail (printf "runConfig.trainer.replication.lighthouse_bind=%s: the chart needs host:port with a fixed port from 1 to 65535 (the controller Service exposes it to the worker pods), e.g. \"[::]:29510\"" $bind) -}}
+{{- end -}}
+{{- int $port -}}
+{{- end -}}
+
+{{/* Where the worker pods' trainers reach the Lighthouse: the controller Service. */}}
+{{- define "podrl.lighthouseAddress" -}}
+{{- printf "%s:%d" (include "podrl.controllerHost" .) (include "podrl.lighthousePort" . | int) -}}
 {{- end -}}
 
 {{- define "podrl.httpPort" -}}
@@ -213,6 +239,16 @@ fields to change. In DRA mode, GPUs nobody uses are refused too (the claim would
 {{- if or (eq $modelMount $taken) (hasPrefix (printf "%s/" $modelMount) $taken) (hasPrefix (printf "%s/" $taken) $modelMount) -}}
 {{- fail (printf "model.mountPath=%s overlaps %s, which the worker containers already mount: choose another model.mountPath (default /models)" $modelMount $taken) -}}
 {{- end -}}
+{{- end -}}
+{{- $maxPods := int (dig "controller" "max_worker_pods" 8 .Values.runConfig) -}}
+{{- if gt (int .Values.workers.replicas) $maxPods -}}
+{{- fail (printf "workers.replicas=%d is above runConfig.controller.max_worker_pods=%d: the controller trains at most that many pods (and refuses a larger scale); lower workers.replicas or raise max_worker_pods" (int .Values.workers.replicas) $maxPods) -}}
+{{- end -}}
+{{- if dig "trainer" "replication" "lighthouse_address" "" .Values.runConfig -}}
+{{- fail "runConfig.trainer.replication.lighthouse_address is set by the chart (the torchft Lighthouse beside the controller, through the controller Service); remove it from runConfig" -}}
+{{- end -}}
+{{- if include "podrl.lighthouseEnabled" . -}}
+{{- $_ := include "podrl.lighthousePort" . -}}
 {{- end -}}
 {{- if and .Values.monitoring.serviceMonitor.enabled .Values.monitoring.podMonitor.enabled -}}
 {{- fail "monitoring.serviceMonitor.enabled and monitoring.podMonitor.enabled are both true: Prometheus would scrape every target twice; enable one of them" -}}
