@@ -1,4 +1,4 @@
-"""The synchronous GRPO loop the controller runs: it sequences the parts, each in its module.
+"""The GRPO loop the controller runs: it sequences the parts, each in its module.
 
 One step (docs/controller.md), over the pods the roster admits at its start (roster.py):
 
@@ -20,6 +20,13 @@ Failure rules:
 - Train's outcome unknown (lost reply, timeout): the same requests are re-sent, never a new
   batch (train_phase); a step is never applied twice.
 - sync fails: the trainers already hold the new version, so only the sync is retried.
+
+Async mode (``loop.mode: async``, rollout_buffer.py): a producer thread draws, generates and
+scores the next steps (at most ``loop.max_staleness`` ahead) while this loop trains; each step
+takes its batch from the producer, drops groups older than ``max_staleness`` versions, trains
+as above, then syncs, records and aligns the next step while holding the generator gate (so
+weights reach the generators between their batches). A failed batch is retried with the same
+prompts, a Train answered "not applied" with the same batch.
 """
 
 from __future__ import annotations
@@ -525,7 +532,9 @@ class GrpoLoop:
         self.state.count_staleness(figures)
 
     def run_step_with_retries(self, stop: threading.Event) -> StepRecord | None:
-        position_before = self.source.position()
+        # In async mode the producer thread owns the task source (and keeps each batch's
+        # positions): the loop never reads or restores it mid-run.
+        position_before = None if self.asynchronous else self.source.position()
         attempts = self.loop_config.max_step_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -539,6 +548,7 @@ class GrpoLoop:
                     # whose Train was not applied is sent again; the next attempt aligns first.
                     self._needs_align = True
                 else:
+                    assert position_before is not None
                     self.source.restore(position_before)  # the same prompts, nothing kept
                 self.store.clear_pending()
                 log.error(

@@ -7,6 +7,11 @@ policy version, data position). The rule is always the same: continue right afte
 whose result the trainer holds, at that step's data position, so no prompt is trained on twice
 and none is skipped.
 
+In async mode (``loop.mode: async``) the producer draws prompts ahead of training; every
+position the run keeps (step records, the step in flight, the checkpoints' controller state) is
+still the position after the prompts of the step it belongs to, never the source's current one,
+so the same arithmetic holds: a restart draws the buffer's prompts again (rollout_buffer.py).
+
 Two decisions, both pure (no RPC, no disk):
 
 1. :func:`choose_checkpoint`: must the trainer first load a checkpoint? Yes when the run's
