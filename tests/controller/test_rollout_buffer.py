@@ -1,0 +1,133 @@
+"""The rollout buffer's parts without any service: the bound, the producer's order and
+retries, and the generator gate (services/podrl/controller/rollout_buffer.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from podrl.controller.batch import StepSamples
+from podrl.controller.rollout_buffer import (
+    GeneratorGate,
+    RolloutProducer,
+    ScoredBatch,
+    buffer_capacity_steps,
+    may_start,
+)
+from podrl.controller.step_errors import RunFailedError, StepFailedError
+
+
+def test_the_bound_lets_the_producer_run_max_staleness_steps_ahead() -> None:
+    assert may_start(1, 0, 0) and not may_start(2, 0, 0)  # k = 0: the synchronous order
+    assert may_start(2, 0, 1) and not may_start(3, 0, 1)
+    assert may_start(5, 2, 2) and not may_start(6, 2, 2)
+    assert buffer_capacity_steps(0) == 1 and buffer_capacity_steps(3) == 4
+
+
+def _batch(step: int, error: StepFailedError | None = None) -> ScoredBatch:
+    return ScoredBatch(step, StepSamples(items=[]), {"at": step - 1}, {"at": step}, error=error)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_the_producer_makes_steps_in_order_never_beyond_the_bound(max_staleness: int) -> None:
+    started: list[tuple[int, int]] = []  # (step, steps done when its batch started)
+    done = {"n": 0}
+
+    def produce(step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        started.append((step, done["n"]))
+        return _batch(step)
+
+    producer = RolloutProducer(produce, max_staleness=max_staleness, last_step=8, stopped=bool)
+    producer.start(1)
+    try:
+        for step in range(1, 9):
+            batch = producer.take(step)
+            assert batch is not None and batch.step == step
+            time.sleep(0.02)  # the producer may run ahead meanwhile, up to the bound
+            steps_in_buffer, _ = producer.fill()
+            assert steps_in_buffer <= max_staleness
+            done["n"] = step
+            producer.step_done(step)
+    finally:
+        producer.close()
+    assert [step for step, _ in started] == list(range(1, 9))
+    assert all(step <= before + 1 + max_staleness for step, before in started)
+    assert any(step == before + 1 + max_staleness for step, before in started)
+
+
+def test_a_failed_batch_is_handed_over_and_made_again_only_when_asked() -> None:
+    calls: list[tuple[int, bool]] = []
+
+    def produce(step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        calls.append((step, failed is not None))
+        if step == 2 and failed is None:
+            return _batch(2, StepFailedError("generate", "injected"))
+        if failed is not None:  # the same prompts and positions, made again
+            return ScoredBatch(step, failed.data, failed.position_before, failed.position_after)
+        return _batch(step)
+
+    producer = RolloutProducer(produce, max_staleness=2, last_step=3, stopped=bool)
+    producer.start(1)
+    try:
+        assert producer.take(1) is not None
+        producer.step_done(1)
+        with pytest.raises(StepFailedError, match="injected"):
+            producer.take(2)
+        time.sleep(0.3)
+        assert (3, False) not in calls  # nothing else is made while the failure waits
+        producer.retry(2)
+        again = producer.take(2)
+        assert again is not None and again.position_before == {"at": 1}  # the same prompts
+        producer.step_done(2)
+        assert producer.take(3) is not None
+    finally:
+        producer.close()
+    assert calls == [(1, False), (2, False), (2, True), (3, False)]
+
+
+def test_a_producer_that_crashes_fails_the_run_and_a_stop_ends_the_wait() -> None:
+    def crash(step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        raise RuntimeError("the source broke")
+
+    producer = RolloutProducer(crash, max_staleness=1, last_step=3, stopped=bool)
+    producer.start(1)
+    with pytest.raises(RunFailedError, match="the source broke"):
+        producer.take(1)
+    producer.close()
+    stop = threading.Event()
+    idle = RolloutProducer(
+        lambda s, f: _batch(s), max_staleness=0, last_step=3, stopped=stop.is_set
+    )
+    idle.start(1)
+    assert idle.take(1) is not None
+    stop.set()
+    assert idle.take(2) is None  # step 1 never reported done: the producer waits, the run stops
+    idle.close()
+
+
+def test_the_gate_lets_the_loop_in_before_the_producer_starts_another_batch() -> None:
+    gate = GeneratorGate()
+    order: list[str] = []
+    first_batch = threading.Event()
+
+    def producer() -> None:
+        for n in range(3):
+            with gate.producer(lambda: False) as held:
+                assert held
+                order.append(f"batch {n} start")
+                first_batch.set()
+                time.sleep(0.1)
+                order.append(f"batch {n} end")
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    first_batch.wait()
+    with gate.loop():
+        order.append("sync")
+    thread.join()
+    # The sync waited for batch 0 to end and ran before batch 1 started: never inside one.
+    assert order[:3] == ["batch 0 start", "batch 0 end", "sync"]
+    assert order.count("sync") == 1
+    assert len(order) == 7
