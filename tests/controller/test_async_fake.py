@@ -272,3 +272,16 @@ def test_a_failed_generate_in_async_mode_is_retried_with_the_same_prompts(
     assert pod.generator.generated == [f"copy/{i}" for i in range(4 * PROMPTS)]
     assert pod.trainer.version == 4
     _check_every_prompt_once(run["samples"], 4)
+
+
+def test_a_group_newer_than_the_trainers_fails_the_run(cluster: Cluster) -> None:
+    pod = cluster.add("pod-0")
+    pod.generator.version_of = lambda prompt_id, version: (
+        version + (5 if prompt_id == "copy/4" else 0)
+    )
+    run = cluster.run(steps=3, mode="async", max_staleness=1)
+    assert run["state"].phase == "failed"
+    error = run["state"].error
+    assert "step 2: generate: prompt copy/4: sampled by policy version" in error
+    assert "newer than the trainers' 1" in error and "restart the run" in error
+    assert pod.trainer.version == 1  # step 2 never trained

@@ -482,7 +482,13 @@ class GrpoLoop:
             self._taken = scored
         scored = self._taken
         timings.update(scored.seconds)
-        split = split_stale(scored.data, expected, config.max_staleness)
+        try:
+            split = split_stale(scored.data, expected, config.max_staleness)
+        except StepFailedError as err:  # the same batch would be refused again
+            raise RunFailedError(
+                f"step {step}: {err}; a generator serves a version its trainers never "
+                "reached: restart the run to resume from its records and checkpoints"
+            ) from err
         batch = with_stale_figures(self._build_batch(split.fresh), split)
         batch_id, outcome, epoch = self._train(
             step,
