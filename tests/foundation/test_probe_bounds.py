@@ -11,6 +11,7 @@
   is held back from loading (so no vLLM starts): a request of 10^5 prompts over the limit is
   refused by size; 10^5 small prompts under it reach the servicer, which answers them
   UNAVAILABLE while the engine loads.
+- Rows 24-25: hostile Score requests are scored item by item and the grader serves on.
 - Row 1, the values no other test sends (top_p NaN or -0.5, top_k -5, stop [""]), with
   the others: the generator's request check refuses them naming the field (the error Generate
   answers INVALID_ARGUMENT, as tests/generator/test_generator_service.py shows through a real
@@ -192,3 +193,49 @@ def test_row_1_bad_sampling_values_are_refused_naming_the_field(
     params = common_pb2.SamplingParams(**{"max_tokens": 4, "temperature": 1.0, **sampling})
     with pytest.raises(InvalidRequestError, match=field.replace(".", r"\.")):
         sampling_from_proto(params)
+
+
+# ---- rows 24-25 ----------------------------------------------------------------------------
+
+
+def _scores(grader: RunningGrader, items: list[grader_pb2.ScoreItem]) -> grader_pb2.ScoreResponse:
+    return grader_pb2_grpc.GraderStub(grader.channel).Score(
+        grader_pb2.ScoreRequest(items=items), timeout=120
+    )
+
+
+def test_rows_24_25_hostile_score_requests_are_scored_item_by_item(grader: RunningGrader) -> None:
+    """Duplicate ids, control characters, 10,000 metadata keys, a 16 MB text and 2,000 items
+    (the probe's 100 MB and 10^5 items take minutes here): each item gets its own score, in
+    order, and the grader stays SERVING."""
+    item = grader_pb2.ScoreItem
+    control = "\x00\x07\x1b[2J"
+    cases = {
+        "duplicate ids": [item(id="a", task="reverse", completion="x", reference="x")] * 2,
+        "control characters": [
+            item(id=f"c{control}", task="reverse", completion=control, reference=control)
+        ],
+        "10,000 metadata keys": [
+            item(
+                id="m",
+                task="reverse",
+                completion="x",
+                reference="x",
+                metadata={f"k{i}": "v" for i in range(10_000)},
+            )
+        ],
+        "a 16 MB text": [
+            item(id="t", task="reverse", completion="a" * (16 * MIB), reference="a" * (16 * MIB))
+        ],
+        "2,000 items": [
+            item(id=str(i), task="reverse", completion="ab", reference="ab") for i in range(2000)
+        ],
+    }
+    for case, items in cases.items():
+        reply = _scores(grader, items)
+        assert [s.id for s in reply.scores] == [i.id for i in items], case
+        assert all(s.error == grader_pb2.SCORE_ERROR_NONE and s.reward == 1.0 for s in reply.scores)
+    health = health_pb2_grpc.HealthStub(grader.channel).Check(
+        health_pb2.HealthCheckRequest(service="podrl.v1.Grader"), timeout=5
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
