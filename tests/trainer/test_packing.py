@@ -84,6 +84,55 @@ def test_packed_batch_gives_the_padded_loss_and_gradients(model):
         torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
+def test_packed_sequences_of_one_length_are_one_attention_call_with_the_padded_result(
+    model, monkeypatch
+):
+    """Off flash attention (CPU), the packed sequences of each length go through one causal
+    SDPA call as rows, and the loss, logprobs and gradients are still those of padded rows."""
+    import podrl.trainer.packing as packing
+
+    base = list(make_request(seed=12, sequences=3).sequences)
+    sequences = []
+    for shift in (0, 13, 29):  # the three lengths, interleaved, each three times
+        for seq in base:
+            copy = type(seq)()
+            copy.CopyFrom(seq)
+            copy.prompt_ids[:] = [(t + shift) % 100 + 3 for t in seq.prompt_ids]
+            copy.completion_ids[:] = [(t + shift) % 100 + 3 for t in seq.completion_ids]
+            sequences.append(copy)
+    lengths = {len(s.prompt_ids) + len(s.completion_ids) for s in sequences}
+    assert len(lengths) == 3
+
+    padded, padded_logprobs = _stock_padded_loss(model, sequences)
+    padded_loss = _loss(padded, padded_logprobs, sequences)
+    padded_loss.backward()
+    padded_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    calls = []
+    real = packing.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "sdpa_attention_forward", counted)
+    packed, packed_logprobs = _packed_logprobs(model, sequences)
+    packed_loss = _loss(packed, packed_logprobs, sequences)
+    packed_loss.backward()
+
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 3 * layers  # one per length and layer, not one per sequence
+    assert sorted({(shape[0], shape[2]) for shape in calls}) == [(3, n) for n in sorted(lengths)]
+    assert packed_loss.item() == pytest.approx(padded_loss.item(), rel=1e-5, abs=1e-5)
+    mask = padded.loss_mask.bool()
+    torch.testing.assert_close(packed_logprobs[mask], padded_logprobs[mask], rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        expected = padded_grads[name]
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
 def test_packed_sequences_do_not_attend_to_each_other(model):
     """Changing every token of the first sequence leaves the second one's logprobs as they
     were: attention and positions restart at each sequence boundary."""

@@ -14,7 +14,7 @@ host synchronisation checking whether the mask is all ones), so:
 * packed rows (``packed_cu_seqlens`` passed through the model's keyword arguments): on CUDA in
   bf16/fp16, flash attention's variable-length kernel (``aten::_flash_attention_forward`` with
   cumulative lengths, which has its own backward and supports grouped KV heads); elsewhere, one
-  causal SDPA call per sequence;
+  causal SDPA call per distinct sequence length (the sequences of a length as rows);
 * rows without ``packed_cu_seqlens``: causal SDPA over each row. This is exact for
   right-padded rows: a real token never attends to a later position, so it never sees the
   padding after it (the padding's own outputs are never used).
@@ -51,7 +51,7 @@ def _flash_varlen(
     return out.unsqueeze(0)
 
 
-def _per_sequence_sdpa(
+def _per_length_sdpa(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -59,18 +59,35 @@ def _per_sequence_sdpa(
     cu_seqlens: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """The same as :func:`_flash_varlen` with one causal SDPA call per packed sequence."""
+    """The same as :func:`_flash_varlen` with one causal SDPA call per distinct sequence
+    length: the packed sequences of one length are gathered into rows ``[n, H, L, D]``, so each
+    sequence attends exactly as alone. GRPO groups repeat a few lengths (a batch of 128
+    sequences of 6 lengths is 6 calls, not 128 calls and their backward, each a Python
+    round trip)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    parts = [
-        sdpa_attention_forward(module, q, k, v, None, scaling=scaling, is_causal=True)[0]
-        for q, k, v in zip(
-            query.split(lengths, dim=2),
-            key.split(lengths, dim=2),
-            value.split(lengths, dim=2),
-            strict=True,
-        )
-    ]
-    return torch.cat(parts, dim=1)
+    starts = cu_seqlens[:-1].tolist()
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths, strict=True):
+        by_length.setdefault(length, []).append(start)
+    device = query.device
+    parts, order = [], []
+    for length, group in by_length.items():
+        # Token positions of the group's sequences, sequence after sequence: [n * L].
+        index = (
+            torch.tensor(group, device=device).unsqueeze(1) + torch.arange(length, device=device)
+        ).reshape(-1)
+        rows = [
+            t[0].index_select(1, index).unflatten(1, (len(group), length)).transpose(0, 1)
+            for t in (query, key, value)
+        ]  # [n, heads, L, D] each
+        out = sdpa_attention_forward(module, *rows, None, scaling=scaling, is_causal=True)[0]
+        parts.append(out.reshape(len(group) * length, *out.shape[2:]))  # [n * L, H, D]
+        order.append(index)
+    # Back to the packed order: position p of the row is output row inverse[p].
+    gathered = torch.cat(order)
+    inverse = torch.empty_like(gathered)
+    inverse[gathered] = torch.arange(gathered.numel(), device=device)
+    return torch.cat(parts).index_select(0, inverse).unsqueeze(0)
 
 
 def podrl_attention(
@@ -100,7 +117,7 @@ def podrl_attention(
         if not isinstance(max_seqlen, int):
             raise ValueError(f"{MAX_SEQLEN_KWARG}: the longest packed sequence, an int")
         return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling), None
-    return _per_sequence_sdpa(module, query, key, value, cu_seqlens, scaling), None
+    return _per_length_sdpa(module, query, key, value, cu_seqlens, scaling), None
 
 
 AttentionInterface.register(ATTENTION_NAME, podrl_attention)
