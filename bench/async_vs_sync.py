@@ -7,19 +7,25 @@ demo's 16 prompts x 8 samples) and the same held-out evaluation (64 prompts, gre
 the first step, every ``--eval-every`` steps and at the end). Only ``loop.mode`` differs:
 ``sync``, then ``async`` with ``loop.max_staleness: 1``.
 
-From the run database each run leaves:
+The two modes run ``--repeats`` times each, alternating (sync, async, sync, async, ...), so a
+change of the shared machine's load during the script falls on both. From the run database each
+run leaves:
 
 * ``steps_per_s``: steps after the ``--warmup`` first ones, over the time between their ends
-  (evaluations inside that span count: both modes run the same ones);
+  (the evaluation inside that span counts: both modes run the same ones);
+* ``second_half_steps_per_s``: the same over the run's second half only;
+* ``phase_seconds_median``: each phase's median over the timed steps (in async mode generate
+  and score overlap earlier steps' training);
 * ``reward_curve``: every step's mean reward; ``eval_curve``: (step, held-out accuracy);
 * ``final_eval_accuracy``: the last evaluation's accuracy;
 * ``staleness_histogram``: versions behind → groups trained (all 0 in sync mode).
 
-The async row carries ``speedup`` (its steps/s over sync's) and ``accuracy_gap`` (sync's final
-accuracy minus its own). Target (issue 19): ``speedup`` >= 1.3 and ``accuracy_gap`` <= 0.05.
-The machine's load (``uptime``) is recorded before and after each run: on a shared 2-core
-machine the generator and the trainer compete for the same cores, so the speedup measured
-depends on what else runs.
+A mode's row has the median ``steps_per_s`` over its runs, the final accuracy and curves of
+its median run (the lower one of an even count), and every run in ``runs``. The async row carries ``speedup`` (its steps/s over
+sync's) and ``accuracy_gap`` (sync's final accuracy minus its own). Target (issue 19):
+``speedup`` >= 1.3 and ``accuracy_gap`` <= 0.05. The machine's load (``uptime``) is recorded
+before and after each run: on a shared 2-core machine the generator and the trainer compete for
+the same cores, so the speedup measured depends on what else runs.
 
   python bench/async_vs_sync.py --out bench/results/async_vs_sync.json
 """
@@ -31,6 +37,7 @@ import json
 import os
 import platform
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,10 +64,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO / "services"), "COLUMNS": "200"}
 
 
-def _config(work: Path, model: Path, mode: str, args: argparse.Namespace) -> Path:
+def _config(work: Path, model: Path, mode: str, name: str, args: argparse.Namespace) -> Path:
     config = yaml.safe_load(DEMO.read_text())
-    config["name"] = f"async-vs-sync-{mode}"
-    config["run_dir"] = str(work / f"run-{mode}")
+    config["name"] = f"async-vs-sync-{name}"
+    config["run_dir"] = str(work / f"run-{name}")
     config["log"] = {"format": "json"}
     config["trainer"]["model_path"] = str(model)
     config["generator"]["model_path"] = str(model)
@@ -74,7 +81,7 @@ def _config(work: Path, model: Path, mode: str, args: argparse.Namespace) -> Pat
     )
     if mode == "async":
         loop.update(mode="async", max_staleness=1)
-    path = work / f"run-{mode}.yaml"
+    path = work / f"run-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -107,9 +114,16 @@ def warm_start(work: Path, args: argparse.Namespace) -> Path:
     return out
 
 
-def measure(work: Path, model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    config = _config(work, model, mode, args)
-    log = work / f"run-{mode}.log"
+def _rate(steps: list[dict[str, Any]]) -> float:
+    return round((len(steps) - 1) / (steps[-1]["finished_at"] - steps[0]["finished_at"]), 4)
+
+
+def measure(
+    work: Path, model: Path, mode: str, repeat: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    name = f"{mode}-{repeat}"
+    config = _config(work, model, mode, name, args)
+    log = work / f"run-{name}.log"
     load_before = _uptime()
     started = time.monotonic()
     with open(log, "wb") as out:
@@ -120,14 +134,17 @@ def measure(work: Path, model: Path, mode: str, args: argparse.Namespace) -> dic
         )  # fmt: skip
     wall = time.monotonic() - started
     if done.returncode != 0:
-        raise RuntimeError(f"podrl run ({mode}) failed ({done.returncode}); see {log}")
-    run_dir = work / f"run-{mode}"
+        raise RuntimeError(f"podrl run ({name}) failed ({done.returncode}); see {log}")
+    run_dir = work / f"run-{name}"
     steps = _steps(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     timed = [s for s in steps if s["step"] > args.warmup]
     if len(timed) < 2:
         raise RuntimeError(f"--steps {args.steps} leaves fewer than 2 steps after the warm-up")
-    span = timed[-1]["finished_at"] - timed[0]["finished_at"]
+    phases: dict[str, list[float]] = {}
+    for step in timed:
+        for phase, seconds in (step["metrics"].get("phase_seconds") or {}).items():
+            phases.setdefault(phase, []).append(seconds)
     histogram: dict[str, int] = {}
     for step in steps:
         for lag, groups in (step["metrics"].get("staleness_histogram") or {}).items():
@@ -138,7 +155,9 @@ def measure(work: Path, model: Path, mode: str, args: argparse.Namespace) -> dic
         "max_staleness": 1 if mode == "async" else None,
         "steps": len(steps),
         "steps_trained": summary["steps_trained"],
-        "steps_per_s": round((len(timed) - 1) / span, 4),
+        "steps_per_s": _rate(timed),
+        "second_half_steps_per_s": _rate(steps[len(steps) // 2 :]),
+        "phase_seconds_median": {p: round(statistics.median(v), 4) for p, v in phases.items()},
         "final_eval_accuracy": evaluations[-1]["accuracy"] if evaluations else None,
         "initial_eval_accuracy": evaluations[0]["accuracy"] if evaluations else None,
         "eval_curve": [[e["step"], e["accuracy"]] for e in evaluations],
@@ -158,30 +177,48 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of steps/s")
-    parser.add_argument("--seed", type=int, default=0, help="loop.sample_seed of both runs")
+    parser.add_argument("--seed", type=int, default=0, help="loop.sample_seed of every run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/async_vs_sync.json")
     parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
     args = parser.parse_args()
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="podrl-async-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         model = warm_start(work, args)
-        for mode in ("sync", "async"):
-            row = measure(work, model, mode, args)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "reward_curve"}), flush=True)
+        for repeat in range(args.repeats):
+            for mode in ("sync", "async"):
+                run = measure(work, model, mode, repeat, args)
+                runs[mode].append(run)
+                shown = {k: v for k, v in run.items() if k != "reward_curve"}
+                print(json.dumps(shown), flush=True)
+    rows = []
+    for mode in ("sync", "async"):
+        ordered = sorted(runs[mode], key=lambda r: r["steps_per_s"])
+        median = ordered[(len(ordered) - 1) // 2]  # the lower median: a run that happened
+        row = {
+            **median,
+            "steps_per_s": round(statistics.median(r["steps_per_s"] for r in ordered), 4),
+        }
+        row["runs"] = [{k: v for k, v in r.items() if k != "reward_curve"} for r in runs[mode]]
+        rows.append(row)
     sync, asynchronous = rows
     asynchronous["speedup"] = round(asynchronous["steps_per_s"] / sync["steps_per_s"], 3)
     if sync["final_eval_accuracy"] is not None and asynchronous["final_eval_accuracy"] is not None:
         gap = sync["final_eval_accuracy"] - asynchronous["final_eval_accuracy"]
         asynchronous["accuracy_gap"] = round(gap, 4)
-    print(f"\n{'mode':>6} {'steps/s':>8} {'speedup':>8} {'eval before':>12} {'eval final':>11}")
+    print(
+        f"\n{'mode':>6} {'steps/s':>8} {'runs':>15} {'speedup':>8} {'eval before':>12} "
+        f"{'eval final':>11}"
+    )
     for row in rows:
+        each = ",".join(f"{r['steps_per_s']:.2f}" for r in row["runs"])
         print(
-            f"{row['mode']:>6} {row['steps_per_s']:>8.3f} {row.get('speedup', 1.0):>8.2f} "
-            f"{row['initial_eval_accuracy'] or 0:>12.3f} {row['final_eval_accuracy'] or 0:>11.3f}"
+            f"{row['mode']:>6} {row['steps_per_s']:>8.3f} {each:>15} "
+            f"{row.get('speedup', 1.0):>8.2f} {row['initial_eval_accuracy'] or 0:>12.3f} "
+            f"{row['final_eval_accuracy'] or 0:>11.3f}"
         )
     print("\nreward curve (mean reward, every 5th step):")
     for row in rows:
