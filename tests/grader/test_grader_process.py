@@ -34,6 +34,13 @@ DEMO_TASK = {
     ],
 }
 
+# A plug-in task: its rewards run in the worker pool (DEMO_TASK's built-ins in the grader).
+PLUGIN_TASK = {
+    "name": "plugin",
+    "source": {"kind": "procedural", "generator": "add"},
+    "rewards": [{"name": "tests.grader.faulty_rewards:behaves_by_completion"}],
+}
+
 
 @pytest.fixture
 def grader_process(tmp_path: Path):
@@ -41,7 +48,7 @@ def grader_process(tmp_path: Path):
     config = {
         "controller": {"grpc_port": free_port()},
         "grader": {"grpc_port": port, "metrics_port": 0, "workers": 2},
-        "tasks": {"definitions": [DEMO_TASK]},
+        "tasks": {"definitions": [DEMO_TASK, PLUGIN_TASK]},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -73,20 +80,22 @@ def test_scores_task_items_and_stops_cleanly_on_sigterm(grader_process) -> None:
         for item in drawn
     ]
     wrong = [build_score_item(item, "x\n", f"{item.id}#1") for item in drawn]
+    plugin = grader_pb2.ScoreItem(id="plugin#0", task="plugin", completion="7", reference="7")
     reply = grader_pb2_grpc.GraderStub(channel).Score(
-        grader_pb2.ScoreRequest(items=right + wrong), timeout=30
+        grader_pb2.ScoreRequest(items=[*right, *wrong, plugin]), timeout=30
     )
-    assert [s.id for s in reply.scores] == [i.id for i in right + wrong]
+    assert [s.id for s in reply.scores] == [i.id for i in [*right, *wrong, plugin]]
     assert all(s.error == grader_pb2.SCORE_ERROR_NONE for s in reply.scores)
     assert [s.reward for s in reply.scores[:20]] == [1.0] * 20
-    assert [s.reward for s in reply.scores[20:]] == [0.0] * 20
+    assert [s.reward for s in reply.scores[20:40]] == [0.0] * 20
+    assert reply.scores[40].reward == 1.0
 
     status = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="podrl.v1.Grader"), timeout=5
     )
     assert status.status == health_pb2.HealthCheckResponse.SERVING
     descendants = psutil.Process(process.pid).children(recursive=True)
-    assert len(descendants) >= 3  # the fork server and two workers
+    assert len(descendants) >= 3  # the fork server and two workers (for the plug-in task)
 
     start = time.monotonic()
     process.send_signal(signal.SIGTERM)

@@ -177,3 +177,44 @@ def test_shutdown_stops_the_worker_processes(start_grader: Callable) -> None:
     grader.stop()
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_built_in_rewards_are_scored_without_worker_processes(start_grader: Callable) -> None:
+    """A grader whose tasks use only cheap built-ins starts no worker process and scores in
+    its own thread, with the pool's results (the weighted sum and the components)."""
+    before = _grandchildren()
+    grader = start_grader(grader_config([_tasks()[1]]))
+    reply = _score(grader, [("same", "reverse", "cba", "cba"), ("half", "reverse", "cbx", "cba")])
+    by_id = {s.id: s for s in reply.scores}
+    assert by_id["same"].error == grader_pb2.SCORE_ERROR_NONE
+    assert by_id["same"].reward == pytest.approx(1.0)
+    assert by_id["half"].reward == pytest.approx(0.5 * 0.0 + 0.5 * 2 / 3)
+    assert dict(by_id["half"].components) == pytest.approx(
+        {"exact_match": 0.0, "char_match": 2 / 3}
+    )
+    assert _grandchildren() - before == set()  # no worker process was started
+    assert _health(grader) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_built_in_that_raises_in_the_grader_thread_fails_its_item_alone() -> None:
+    """score_inline turns a reward's exception into SCORE_ERROR_EXCEPTION with the message the
+    pool gives and the task's fallback reward; which plans score inline."""
+    from podrl.grader.rewards import RewardComponent, TaskRewardPlan
+    from podrl.grader.rewards.builtins import BUILTIN_REWARDS
+    from podrl.grader.rewards.plan import ItemInput
+    from podrl.grader.scoring_pool import score_inline, scores_inline
+
+    def plan(name: str, **params: object) -> TaskRewardPlan:
+        component = RewardComponent(name, BUILTIN_REWARDS[name], 1.0, params, (), name)
+        return TaskRewardPlan("t", (component,), fallback_reward=-1.0)
+
+    # max_chars <= free_chars (the config refuses it; built by hand here): ValueError.
+    broken = plan("length_penalty", max_chars=1, free_chars=1)
+    result = score_inline(broken, ItemInput("p", "xx", "1", "t"))
+    assert result.error == grader_pb2.SCORE_ERROR_EXCEPTION
+    assert result.error_message.startswith("ValueError: max_chars (1) must exceed")
+    assert result.reward == -1.0
+    assert not result.components
+    assert scores_inline(plan("exact_match")) and scores_inline(plan("char_match"))
+    for pooled in ("regex_match", "math_verify", "reasoning_gym"):
+        assert not scores_inline(plan(pooled))

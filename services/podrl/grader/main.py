@@ -8,7 +8,7 @@ from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
 from podrl.grader.rewards import build_reward_plans
 from podrl.grader.rewards.registry import preload_modules
-from podrl.grader.scoring_pool import ScoringPool
+from podrl.grader.scoring_pool import ScoringPool, scores_inline
 from podrl.grader.servicer import GraderServicer
 from podrl.v1 import grader_pb2_grpc
 
@@ -24,7 +24,8 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         section.start_method,
         preload=preload_modules(plans),
     )
-    pool.warm_up()
+    if not all(scores_inline(plan) for plan in plans.values()):
+        pool.warm_up()  # else no item needs a worker process: none is started
     return worker_spec(
         "grader",
         config,

@@ -1,6 +1,12 @@
 """Reward functions run in a pool of worker processes (pebble), one item per task, so one item
 that raises, hangs or kills its process fails alone: it gets an error flag and the fallback
 reward, the rest of the batch is scored, and pebble replaces the dead or killed worker.
+
+Plans made only of the cheap built-ins (:data:`INLINE_REWARDS`: string comparisons linear in
+the completion, no imports, no regular expression taken from the config) cannot hang or kill a
+process, so they are scored in the grader's own thread (:func:`score_inline`): a round trip to
+a worker process per item cost more than the rewards themselves. Their results are the pool's
+(an exception or a non-number is SCORE_ERROR_EXCEPTION with the same message).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
+from podrl.grader.rewards.builtins import BUILTIN_REWARDS
 from podrl.grader.rewards.plan import ItemInput, TaskRewardPlan, score_with_plan
 from podrl.v1 import grader_pb2
 
@@ -34,6 +41,34 @@ class ItemResult:
     error: int = grader_pb2.SCORE_ERROR_NONE
     error_message: str = ""
     seconds: float = 0.0
+
+
+#: Built-ins scored in the grader's thread (module docstring). Not regex_match (a configured
+#: pattern may backtrack catastrophically), math_verify or reasoning_gym (large libraries,
+#: unbounded work): those, and every plug-in, run in the isolated pool.
+INLINE_REWARDS = frozenset({"exact_match", "char_match", "format", "length_penalty"})
+_INLINE_FUNCTIONS = frozenset(BUILTIN_REWARDS[name] for name in INLINE_REWARDS)
+
+
+def scores_inline(plan: TaskRewardPlan) -> bool:
+    """True when every reward of ``plan`` is one of :data:`INLINE_REWARDS`."""
+    return all(component.function in _INLINE_FUNCTIONS for component in plan.components)
+
+
+def score_inline(plan: TaskRewardPlan, item: ItemInput) -> ItemResult:
+    """``item`` scored in this thread with a plan of :func:`scores_inline`; never raises for
+    the rewards' own failure."""
+    started = time.perf_counter()
+    try:
+        output = score_with_plan(plan, item)
+    except Exception as err:
+        return ItemResult(
+            plan.fallback_reward,
+            error=grader_pb2.SCORE_ERROR_EXCEPTION,
+            error_message=_describe(err)[:1000],
+            seconds=time.perf_counter() - started,
+        )
+    return ItemResult(output.reward, output.components, seconds=output.seconds)
 
 
 class ScoringPool:

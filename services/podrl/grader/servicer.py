@@ -1,5 +1,8 @@
 """gRPC Grader service: batched scoring with per-item errors.
 
+Items of a task whose rewards are all cheap built-ins are scored in this process
+(``scoring_pool.score_inline``); the others go to the isolated worker pool.
+
 Request rules: every item needs a non-empty ``id`` (otherwise the whole call fails with
 INVALID_ARGUMENT naming the item); an item whose ``task`` the grader does not know gets
 SCORE_ERROR_UNKNOWN_TASK and the grader's fallback reward while the other items are scored.
@@ -18,7 +21,7 @@ import podrl
 from podrl.config import RunConfig
 from podrl.grader import metrics
 from podrl.grader.rewards import BUILTIN_REWARDS, ItemInput, TaskRewardPlan
-from podrl.grader.scoring_pool import ItemResult, ScoringPool
+from podrl.grader.scoring_pool import ItemResult, ScoringPool, score_inline, scores_inline
 from podrl.v1 import common_pb2, grader_pb2, grader_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class GraderServicer(grader_pb2_grpc.GraderServicer):
         self._config = config
         self._plans = plans
         self._pool = pool
+        self._inline = {task for task, plan in plans.items() if scores_inline(plan)}
 
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
@@ -85,24 +89,22 @@ class GraderServicer(grader_pb2_grpc.GraderServicer):
                     f"{sorted(self._plans)}",
                 )
                 continue
+            if item.task in self._inline:
+                results[index] = score_inline(plan, _item_input(item))
+                continue
             jobs.append(
                 (
                     plan,
-                    ItemInput(
-                        prompt=item.prompt,
-                        completion=item.completion,
-                        reference=item.reference,
-                        task=item.task,
-                        metadata=dict(item.metadata),
-                    ),
+                    _item_input(item),
                 )
             )
             job_slots.append(index)
-        caller_gone = threading.Event()
-        context.add_callback(caller_gone.set)
         started = time.perf_counter()
-        for index, result in zip(job_slots, self._pool.score(jobs, caller_gone), strict=True):
-            results[index] = result
+        if jobs:
+            caller_gone = threading.Event()
+            context.add_callback(caller_gone.set)
+            for index, result in zip(job_slots, self._pool.score(jobs, caller_gone), strict=True):
+                results[index] = result
         scores = []
         for item, result in zip(request.items, results, strict=True):
             assert result is not None
@@ -139,3 +141,13 @@ class GraderServicer(grader_pb2_grpc.GraderServicer):
                     metrics.TIMEOUTS.labels(task).inc()
         for task, values in rewards.items():
             metrics.BATCH_MEAN_REWARD.labels(task).set(sum(values) / len(values))
+
+
+def _item_input(item: grader_pb2.ScoreItem) -> ItemInput:
+    return ItemInput(
+        prompt=item.prompt,
+        completion=item.completion,
+        reference=item.reference,
+        task=item.task,
+        metadata=dict(item.metadata),
+    )
