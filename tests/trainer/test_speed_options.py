@@ -23,7 +23,7 @@ def _engine(tiny_model, tmp_path, **trainer: object) -> TrainerEngine:
 @pytest.mark.parametrize(
     ("impl", "fused", "foreach"),
     [
-        ("auto", None, None),
+        ("auto", None, True),
         ("fused", True, None),
         ("foreach", None, True),
         ("for_loop", None, False),
@@ -32,7 +32,7 @@ def _engine(tiny_model, tmp_path, **trainer: object) -> TrainerEngine:
 def test_optimizer_impl_picks_the_adamw_implementation(tiny_model, tmp_path, impl, fused, foreach):
     engine = _engine(tiny_model, tmp_path, optimizer_impl=impl)
     try:
-        # auto on CPU keeps torch's default (fused is chosen on CUDA only).
+        # auto on CPU with tp 1 is foreach (fused is chosen on CUDA only).
         assert engine.optimizer.defaults["fused"] == fused
         assert engine.optimizer.defaults["foreach"] == foreach
     finally:
@@ -41,7 +41,7 @@ def test_optimizer_impl_picks_the_adamw_implementation(tiny_model, tmp_path, imp
 
 def test_fused_adamw_trains_like_the_for_loop(tiny_model, tmp_path):
     losses = {}
-    for impl in ("for_loop", "fused"):
+    for impl in ("for_loop", "fused", "foreach"):
         engine = _engine(tiny_model, tmp_path, optimizer_impl=impl)
         try:
             losses[impl] = [
@@ -51,6 +51,7 @@ def test_fused_adamw_trains_like_the_for_loop(tiny_model, tmp_path):
         finally:
             engine.close()
     assert losses["fused"] == pytest.approx(losses["for_loop"], rel=1e-5, abs=1e-6)
+    assert losses["foreach"] == pytest.approx(losses["for_loop"], rel=1e-5, abs=1e-6)
 
 
 def _saved_tensors_of_one_forward(engine: TrainerEngine) -> tuple[int, float]:

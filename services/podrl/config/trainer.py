@@ -186,8 +186,8 @@ class TrainerConfig(ServiceSection):
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         "auto",
         description="AdamW implementation: fused (one kernel per step), foreach (one kernel "
-        "per op over all tensors) or for_loop; auto = fused on CUDA when tp = 1 (all "
-        "parameters on one mesh), otherwise torch's default.",
+        "per op over all tensors) or for_loop; auto = with tp = 1 (all parameters on one "
+        "mesh) fused on CUDA and foreach on CPU, otherwise torch's default.",
     )
 
     # Loss (formulas: docs/algorithms.md, podrl.algorithms.losses).

@@ -247,9 +247,13 @@ class TrainerEngine:
         impl = self.settings.optimizer_impl
         if impl == "auto":
             # Fused AdamW takes one kernel for all parameters. With TP the parameters live on
-            # two meshes (dp, and dp x tp); fused was not measured on that mix, so auto keeps
-            # torch's default there.
-            impl = "fused" if self.device.type == "cuda" and self.settings.tp == 1 else "default"
+            # two meshes (dp, and dp x tp); fused and foreach were not measured on that mix, so
+            # auto keeps torch's default there. On CPU torch's default is the for-loop, a few
+            # DTensor ops per parameter: foreach groups them (docs/performance.md).
+            if self.settings.tp != 1:
+                impl = "default"
+            else:
+                impl = "fused" if self.device.type == "cuda" else "foreach"
         return {
             "fused": {"fused": True},
             "foreach": {"foreach": True},
