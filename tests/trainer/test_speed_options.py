@@ -105,3 +105,24 @@ def test_foreach_clipping_matches_torch_clip_grad_norm():
     assert norm > 0.5  # the gradients were actually scaled down
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_cpu_trainer_leaves_one_core_to_the_pod_unless_omp_num_threads_says_otherwise(
+    tiny_model, tmp_path, monkeypatch
+):
+    import torch
+
+    from podrl.trainer.parallel import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads({}) == max(1, cores - 1)
+    assert cpu_threads({"OMP_NUM_THREADS": "3"}) == 3
+    assert cpu_threads({"OMP_NUM_THREADS": "0"}) == max(1, cores - 1)  # not a thread count
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    engine = _engine(tiny_model, tmp_path)
+    try:
+        assert torch.get_num_threads() == max(1, cores - 1)
+    finally:
+        engine.close()
+        torch.set_num_threads(before)

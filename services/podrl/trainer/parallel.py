@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +69,21 @@ def resolve_device(config: RunConfig, env: RankEnv) -> torch.device:
             raise ConfigError("device: cuda requested but torch sees no GPU; set device: cpu")
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank)
+    torch.set_num_threads(cpu_threads())
     return torch.device("cpu")
+
+
+def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
+    """Intra-op threads of a CPU trainer rank: ``OMP_NUM_THREADS`` when set, else every core
+    this process may use less one, at least one. On CPU the pod's vLLM worker shares the
+    cores, and it busy-polls for about a second after each Generate (vLLM's shared-memory
+    queue), which is when the trainer steps; a trainer that also takes that core waits for it
+    at every parallel region (docs/performance.md)."""
+    environ = os.environ if environ is None else environ
+    configured = environ.get("OMP_NUM_THREADS", "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def init_distributed(config: RunConfig, env: RankEnv, device: torch.device) -> DeviceMesh:
