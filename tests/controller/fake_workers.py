@@ -306,6 +306,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     overlaps: int = 0
     """ApplyWeights calls that arrived while a Generate was running (the controller must apply
     weights between generation batches only)."""
+    max_running: int = 0
+    """The most Generate calls that ran at once."""
     _running: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -314,6 +316,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     ) -> generator_pb2.GenerateResponse:
         with self._count_lock:
             self._running += 1
+            self.max_running = max(self.max_running, self._running)
         try:
             return self._generate(request)
         finally:

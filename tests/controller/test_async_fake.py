@@ -285,3 +285,30 @@ def test_a_group_newer_than_the_trainers_fails_the_run(cluster: Cluster) -> None
     assert "step 2: generate: prompt copy/4: sampled by policy version" in error
     assert "newer than the trainers' 1" in error and "restart the run" in error
     assert pod.trainer.version == 1  # step 2 never trained
+
+
+def test_evaluations_wait_for_the_producers_batch_and_hold_it_back(cluster: Cluster) -> None:
+    """Held-out evaluations (greedy, on the generators) take the generator gate as a weight
+    sync does: never during one of the producer's Generate calls, and evaluate the version the
+    trainers hold."""
+    pods = [cluster.add("pod-0"), cluster.add("pod-1")]
+    for pod in pods:
+        # Generation slower than training: the producer is mid-batch whenever a step ends, so
+        # an evaluation that did not wait for it would run a Generate alongside.
+        pod.generator.generate_seconds = 0.4
+        pod.trainer.train_seconds = 0.05
+    run = cluster.run(
+        steps=4,
+        mode="async",
+        max_staleness=2,
+        eval_prompts=4,
+        eval_every=2,
+        task={"split": {"eval": 0.3}},
+    )
+    assert run["state"].phase == "finished", run["state"].error
+    evals = run["state"].view()
+    assert evals.evaluations == 3  # before step 1, after step 2, after step 4
+    for pod in pods:
+        assert pod.generator.max_running == 1
+        assert pod.generator.overlaps == 0
+    assert max(_staleness_of_trained(run)) <= 2

@@ -36,7 +36,10 @@ DEADLINE = 3.0  # every work RPC; the grader scores a step well within it
 REWARD = "tests.grader.faulty_rewards:behaves_by_completion"  # "RAISE" raises, else exact match
 
 
-def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
+def _config(
+    run_dir: Path, grader_port: int, task: dict[str, Any] | None = None, **loop: Any
+) -> RunConfig:
+    """``task``: more fields of the one task definition (e.g. a held-out split)."""
     return RunConfig.model_validate(
         {
             "name": "fake-pod",
@@ -52,6 +55,7 @@ def _config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
                         "name": "copy",
                         "source": {"kind": "procedural", "generator": "copy"},
                         "rewards": [{"name": REWARD}],
+                        **(task or {}),
                     }
                 ]
             },

@@ -83,11 +83,14 @@ class Cluster:
         steps: int = STEPS,
         on_step: Callable[[int], None] | None = None,
         stop: threading.Event | None = None,
+        task: dict[str, Any] | None = None,
         **loop: Any,
     ) -> dict[str, Any]:
-        """``loop``: more fields of the loop section (mode, max_staleness, ...)."""
+        """``loop``: more fields of the loop section (mode, max_staleness, ...); ``task``: of
+        the task definition."""
         run_dir = self.tmp_path / "run"
-        config = _config(run_dir, int(self.grader.rsplit(":", 1)[1]), steps=steps, **loop)
+        port = int(self.grader.rsplit(":", 1)[1])
+        config = _config(run_dir, port, task=task, steps=steps, **loop)
         state = RunState(config.name, self.registry, 1, config.loop.steps)
         store = RunStore(run_dir / "controller.sqlite")
         clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
