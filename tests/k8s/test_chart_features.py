@@ -628,7 +628,7 @@ def test_notes_print_the_next_commands_and_how_to_scale() -> None:
     ):
         assert command in notes, command
     for command in (
-        f"PODRL_RUN_SECRET=\"$(kubectl -n {NAMESPACE} get secret {RELEASE}-run-secret "
+        f'PODRL_RUN_SECRET="$(kubectl -n {NAMESPACE} get secret {RELEASE}-run-secret '
         "-o jsonpath='{.data.run-secret}' | base64 -d)\"",
         "podrl scale --replicas N --url http://127.0.0.1:8080",
         f"kubectl -n {NAMESPACE} logs deploy/{RELEASE}-controller    (-c lighthouse",
