@@ -141,19 +141,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             response.prompt_tokens += len(out.prompt_token_ids)
             for c in out.completions:
                 response.completion_tokens += len(c.token_ids)
-                response.samples.append(
-                    common_pb2.Sample(
-                        prompt_id=prompt.id,
-                        index=c.index,
-                        prompt_token_ids=out.prompt_token_ids,
-                        token_ids=c.token_ids,
-                        text=c.text,
-                        logprobs=c.logprobs,
-                        finish_reason=_FINISH_REASONS.get(
-                            c.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED
-                        ),
-                        policy_version=result.policy_version,
-                    )
+                # add() builds the sample in place; append() would build it, then copy it.
+                response.samples.add(
+                    prompt_id=prompt.id,
+                    index=c.index,
+                    prompt_token_ids=out.prompt_token_ids,
+                    token_ids=c.token_ids,
+                    text=c.text,
+                    logprobs=c.logprobs,
+                    finish_reason=_FINISH_REASONS.get(
+                        c.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED
+                    ),
+                    policy_version=result.policy_version,
                 )
         return response
 
