@@ -312,3 +312,31 @@ def test_evaluations_wait_for_the_producers_batch_and_hold_it_back(cluster: Clus
         assert pod.generator.max_running == 1
         assert pod.generator.overlaps == 0
     assert max(_staleness_of_trained(run)) <= 2
+
+
+def test_a_pod_that_joins_in_async_mode_heals_and_generates_only_with_current_weights(
+    cluster: Cluster,
+) -> None:
+    _slow(cluster.add("pod-0"))
+    joined: dict[str, FakePod] = {}
+
+    def after_step(step: int) -> None:
+        if step == 1:
+            joined["pod"] = _slow(cluster.add("pod-1"))
+
+    run = cluster.run(steps=5, on_step=after_step, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    new = joined["pod"]
+    records = {s.step: s.metrics for s in run["steps"]}
+    assert records[1]["pods"] == ["pod-0"]
+    assert records[3]["pods"] == ["pod-0", "pod-1"]
+    # Its generator got a full manifest after its trainer healed, before it generated anything;
+    # everything it sampled carries a version it was synced to.
+    first = new.generator.applied[0]
+    assert not first.version_only and first.version >= 2
+    rows = [row for row in run["samples"] if row["pod"] == "pod-1"]
+    assert rows and min(row["policy_version"] for row in rows) >= first.version
+    assert new.trainer.version == cluster.pods["pod-0"].trainer.version == 5
+    assert _digest(new.address).sha256 == _digest(cluster.pods["pod-0"].address).sha256
+    _check_every_prompt_once(run["samples"], 5)
+    assert max(_staleness_of_trained(run)) <= 1
