@@ -28,10 +28,13 @@ from podrl.controller.rest import build_rest_app
 from podrl.controller.scaling import LocalScaler
 from podrl.controller.status import RunState
 
-#: Stands for a service: runs until SIGTERM, then drains for a moment and exits 0.
+#: Stands for a service: runs until SIGTERM, then drains for a moment and exits 0. It touches
+#: the file named by its argument once its handler is in place (a SIGTERM before that kills it,
+#: as it would a real service that is still starting).
 SERVICE = (
     "import signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.3), sys.exit(0)))\n"
+    "open(sys.argv[1], 'w').close()\n"
     "while True: time.sleep(0.05)\n"
 )
 
@@ -43,9 +46,23 @@ class StandInCluster(LocalCluster):
     def _spawn_service(self, ordinal: int, service: str, restarts: int = 0) -> Child:
         code = self.exit_codes.get(f"{service}@{pod_name(ordinal)}")
         script = SERVICE if code is None else f"import sys; sys.exit({code})"
-        process = subprocess.Popen([sys.executable, "-c", script])
         name = service if ordinal == 0 else f"{service}@{pod_name(ordinal)}"
+        marker = self.ready_marker(name)
+        marker.unlink(missing_ok=True)
+        process = subprocess.Popen([sys.executable, "-c", script, str(marker)])
         return Child(name, process, Path("/dev/null"), "", service, ordinal, restarts)
+
+    def ready_marker(self, name: str) -> Path:
+        return self.config.run_dir / f"{name}.ready"
+
+    def all_ready(self) -> bool:
+        """Every running stand-in has its SIGTERM handler in place."""
+        return all(
+            self.ready_marker(c.name).exists()
+            for pod in self.pods.values()
+            for c in pod.children.values()
+            if c.process.poll() is None
+        )
 
     def running(self) -> dict[str, list[str]]:
         return {
@@ -105,6 +122,7 @@ def test_the_launcher_follows_the_desired_count_up_and_down(
     _until(cluster, lambda: len(cluster.pods) == 3, "3 pods")
     assert cluster.running() == {f"local-{i}": everything for i in range(3)}
     ports = dict(cluster._pod_ports)
+    _until(cluster, cluster.all_ready, "every service to be started")
     scaler.set_replicas(1)
     highest = [cluster.pods[2], cluster.pods[1]]
     cluster.supervise()
