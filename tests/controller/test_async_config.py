@@ -50,3 +50,11 @@ def test_bad_values_are_refused_naming_the_field_and_the_fix(
         _load(tmp_path, loop)
     for part in expected:
         assert part in str(err.value)
+
+
+def test_a_sync_config_written_out_in_full_loads_again(tmp_path: Path) -> None:
+    # Every field set (a dump of the resolved config) includes the default max_staleness.
+    from podrl.config import RunConfig
+
+    full = RunConfig.model_validate({"run_dir": str(tmp_path)}).model_dump(mode="json")
+    assert RunConfig.model_validate(full).loop.mode == "sync"

@@ -121,7 +121,10 @@ class LoopConfig(Section):
 
     @model_validator(mode="after")
     def _check_staleness_mode(self) -> LoopConfig:
-        if self.mode == "sync" and "max_staleness" in self.model_fields_set:
+        # Refused only when it differs from the default: a config written out in full (every
+        # field, e.g. model_dump) must load again.
+        default = type(self).model_fields["max_staleness"].default
+        if self.mode == "sync" and self.max_staleness != default:
             raise ValueError(
                 f"loop.max_staleness ({self.max_staleness}) is set but loop.mode is sync, which "
                 "never trains on stale samples: set loop.mode: async, or remove "
