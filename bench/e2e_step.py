@@ -142,7 +142,7 @@ def run_podrl(work: Path, config_path: Path, args: argparse.Namespace) -> dict[s
         [m["reward_mean"] for m in metrics],
         args,
     )
-    # Each phase's median over the timed steps (the controller's own timers, seconds).
+    # Each phase over the timed steps (the controller's own timers, seconds).
     phases: dict[str, list[float]] = {}
     for m in metrics[1:]:
         for phase, seconds in m["phase_seconds"].items():
@@ -150,6 +150,13 @@ def run_podrl(work: Path, config_path: Path, args: argparse.Namespace) -> dict[s
     row["phase_median_s"] = {
         phase: round(sorted(v)[len(v) // 2], 4) for phase, v in sorted(phases.items())
     }
+    # Means over the timed steps (a step that trains nothing counts 0 for train and sync);
+    # "other" is the rest of the step: align (Info RPCs), drawing prompts, advantages,
+    # bookkeeping, the controller's own Python.
+    timed = max(len(metrics) - 1, 1)
+    means = {phase: sum(v) / timed for phase, v in sorted(phases.items())}
+    means["other"] = row["s_per_step"] - sum(means.values())
+    row["phase_mean_s"] = {phase: round(value, 4) for phase, value in means.items()}
     row["steps_trained"] = sum(bool(m.get("trained")) for m in metrics)
     row["wall_s"] = round(time.monotonic() - started, 1)
     row["load_before"], row["load_after"] = load_before, _load()
