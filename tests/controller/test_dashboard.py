@@ -5,20 +5,17 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 
-from podrl.common.processes import free_port
 from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
 from podrl.controller.roster import PodRoster
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
+from tests.controller.rest_server import served_rest_app
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -58,18 +55,8 @@ def served_run(tmp_path: Path) -> Iterator[str]:
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, metrics["phase_seconds"], metrics)
     state.set_phase("generate")
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    store.close()
+    with served_rest_app(state, store) as url:
+        yield url
 
 
 def _chromium(*args: str, user_dir: Path) -> subprocess.CompletedProcess[str]:

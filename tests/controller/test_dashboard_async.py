@@ -5,21 +5,19 @@ Chromium against the real REST app; and the same figures on /v1/status and /metr
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
-from podrl.common.processes import free_port
 from podrl.controller import loop_metrics
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RolloutView, RunState
+from tests.controller.rest_server import served_rest_app
 from tests.controller.test_dashboard import CHROMIUM, _chromium
 
 
@@ -85,18 +83,8 @@ def test_metrics_export_the_buffer_and_staleness(tmp_path: Path) -> None:
 @pytest.fixture
 def served_async_run(tmp_path: Path) -> Iterator[str]:
     state, store = _async_state(tmp_path)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    store.close()
+    with served_rest_app(state, store) as url:
+        yield url
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")

@@ -4,20 +4,17 @@ real REST app (tests/controller/test_dashboard.py has the rest of the page)."""
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 
-from podrl.common.processes import free_port
 from podrl.controller.evaluation import EVALS_KEY
 from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore
 from podrl.controller.status import RunState
+from tests.controller.rest_server import served_rest_app
 from tests.controller.test_dashboard import CHROMIUM, _chromium
 
 pytestmark = pytest.mark.skipif(
@@ -49,18 +46,8 @@ def served(tmp_path: Path) -> Iterator[str]:
                    _evaluation(100, 0.625)]  # fmt: skip
     store.put(EVALS_KEY, evaluations)
     state.set_evaluations(evaluations[-1], len(evaluations))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    store.close()
+    with served_rest_app(state, store) as url:
+        yield url
 
 
 def test_the_eval_card_and_chart_show_the_evaluations(served: str, tmp_path: Path) -> None:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from podrl.cli.run_progress import fetch_all_steps
-from podrl.common.processes import free_port
 from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
+from tests.controller.rest_server import served_rest_app
 
 STEPS = 10_005
 
@@ -27,18 +23,8 @@ def rest_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         reward = None if step == 7 else step / STEPS  # step 7: recovered, reward unknown
         store.record_step(StepRecord(step, step, {}, {"reward_mean": reward}, float(step)))
     state = RunState("rest", MemberRegistry(60), 1, STEPS)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_rest_app(state, store), host="127.0.0.1", port=port, log_config=None)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    store.close()
+    with served_rest_app(state, store) as url:
+        yield url
 
 
 def test_podrl_run_reads_every_step_page_by_page(rest_url: str) -> None:
