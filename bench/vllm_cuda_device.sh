@@ -9,16 +9,9 @@
 set -uo pipefail
 limit=${1:-600}
 out=${OUT:-/tmp/vllm-cuda-out}
-mkdir -p "$out" /tmp/vp /tmp/vsite
+mkdir -p "$out"
 started=$(date +%s)
-cp .vp3/* /tmp/vp/ || exit 1
-cat /tmp/vp/piece.* | xz -d -T8 | tar -x -C /tmp/vsite || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/psite \
-    .device-wheels/*.whl || exit 1
-echo "unpacked and installed in $(($(date +%s) - started)) s"
-# Our grpcio/protobuf (the generated stubs' versions) first, vLLM's site last.
-export PYTHONPATH="services:/tmp/psite:.:/tmp/vsite"
-export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+source bench/vllm_device_env.sh || exit 1
 export BENCH_VLLM_OUT="$out/vllm_cuda_h200.json"
 # The harness skips optional phases that would not end this many seconds after it starts
 # (a margin for pytest's start, the services' shutdown and the table).

@@ -3,6 +3,10 @@ progress row's total, the before/after table and the text reward curve."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
 from rich.console import Console
 
 from podrl.cli.eval_report import eval_table, planned_evaluations, reward_curve_text
@@ -71,3 +75,16 @@ def test_the_table_has_every_evaluation_and_the_curve_its_ends() -> None:
     steps.insert(3, {"step": 99, "metrics": {"reward_mean": None}})  # unknown: left out
     curve = reward_curve_text(steps)
     assert curve.startswith("reward 0.10 |") and "| 1.00" in curve
+
+
+def test_the_reward_curve_png_needs_matplotlib_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from podrl.cli.reward_plot import plot_reward_curve
+
+    steps = [{"step": i, "metrics": {"reward_mean": i / 10}} for i in range(1, 6)]
+    png = plot_reward_curve(steps, tmp_path / "curve.png", "run")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert plot_reward_curve(steps, tmp_path / "none.png", "run") is None
+    assert not (tmp_path / "none.png").exists()

@@ -6,8 +6,13 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_reward_curve(steps: list[dict[str, Any]], out: Path, title: str) -> Path:
-    import matplotlib
+def plot_reward_curve(steps: list[dict[str, Any]], out: Path, title: str) -> Path | None:
+    """Write the PNG and return its path; None when matplotlib (the controller extra) is not
+    installed: the run's table and records do not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -89,7 +89,7 @@ def follow_run(
     ):  # fmt: skip
         value = summary.get(key)
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-    table.add_row("reward curve", str(png))
+    table.add_row("reward curve", str(png) if png else "no PNG: matplotlib is not installed")
     table.add_row("samples", str(config.run_dir / "samples.jsonl"))
     export = summary.get("export") or {}
     table.add_row("trained model", str(export.get("path") or export.get("error") or "-"))

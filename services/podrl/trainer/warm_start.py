@@ -73,7 +73,11 @@ def warm_start(
     torch.manual_seed(seed)
     source = warm_start_source(config.tasks, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # On the run's accelerator when it has one (a 0.6B-shaped model on a GPU machine's CPU
+    # takes seconds a step); the CPU keeps torch's own thread count.
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
@@ -87,7 +91,7 @@ def warm_start(
         for row, (p, t) in enumerate(zip(prompts, targets, strict=True)):
             input_ids[row, : len(p) + len(t)] = torch.tensor(p + t)
             labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
-        loss = model(input_ids=input_ids, labels=labels).loss
+        loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
