@@ -198,7 +198,8 @@ def prepare_model(opts: Options, log: dict[str, Any]) -> Path:
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         log["warm_start_seconds"] = round(time.perf_counter() - start, 1)
-        log["warm_start_output"] = done.stdout[-3000:] + done.stderr[-3000:]
+        output = done.stdout[-3000:] + done.stderr[-3000:]
+        log["warm_start_output"] = output.replace(str(opts.work_dir), "<work dir>")
         if done.returncode != 0:
             raise RuntimeError(f"podrl warm-start failed:\n{log['warm_start_output']}")
     return warm
@@ -281,6 +282,7 @@ def table(results: dict[str, Any]) -> str:
     def acc(run: dict[str, Any], key: str) -> Any:
         return (run.get(key) or {}).get("accuracy")
 
+    row("warm-start steps, RL lr", [f"{r.get('warm_steps')}, {r.get('lr')}" for r in runs])
     row("exit code / phase", [f"{r['exit_code']} / {r.get('phase')}" for r in runs])
     row("steps (trained)", [f"{r.get('steps')} ({r.get('steps_trained')})" for r in runs])
     row("held-out accuracy before → after",
@@ -340,6 +342,9 @@ def run(opts: Options) -> dict[str, Any]:
 def merge(paths: list[Path], out: Path) -> dict[str, Any]:
     """One JSON of several calls' results (the runs in order; the first call's preparation)."""
     parts = [json.loads(p.read_text()) for p in paths]
+    for part in parts:
+        for one in part["runs"]:
+            one.update({key: part["options"][key] for key in ("warm_steps", "lr", "steps")})
     merged = {**parts[0], "runs": [run for part in parts for run in part["runs"]]}
     merged["calls"] = [{"options": p["options"], "preparation": p["preparation"]} for p in parts]
     out.write_text(json.dumps(merged, indent=2))
