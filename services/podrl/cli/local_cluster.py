@@ -38,7 +38,7 @@ from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
 from podrl.controller.scaling import LocalScaler
-from podrl.generator.engine_processes import reap_dead_engine_segments
+from podrl.generator.engine_processes import reap_dead_engine_segments, reap_dead_socket_dirs
 from podrl.models.folders import check_model_folders
 
 log = logging.getLogger(__name__)
@@ -490,5 +490,6 @@ class LocalCluster:
                     child.process.kill()
                     child.process.wait()
                 kill_process_group(child)
-        # Shared memory of a vLLM engine whose generator was killed (podrl.generator).
+        # Shared memory and socket files of a vLLM engine whose generator was killed.
         reap_dead_engine_segments()
+        reap_dead_socket_dirs()

@@ -161,6 +161,8 @@ class VllmEngine:
         # An apply the engine stopped waiting for: (its future, its version).
         self._unsettled: tuple[concurrent.futures.Future[Any], int] | None = None
         self._sleeping = 0  # 0 awake, else the sleep level
+        self._socket_dir: Path | None = None
+        """vLLM's ZeroMQ socket folder, ours to remove (engine_processes.own_socket_dir)."""
         self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -184,6 +186,7 @@ class VllmEngine:
         vllm_version = check_vllm_version()
         self._parameter_count = len(ModelDescription.from_pretrained(self._model_path).params)
         engine_processes.children_die_with_generator()
+        self._socket_dir = engine_processes.own_socket_dir()
         self._thread.start()
         self._engine = self._run(self._build(), self._config.engine_start_timeout_seconds)
         replies = self._run(
@@ -268,6 +271,8 @@ class VllmEngine:
             self._run(self._shutdown_engine(), 120)
             self._engine = None
             engine_processes.forget_engine_segments()
+        engine_processes.remove_socket_dir(self._socket_dir)
+        self._socket_dir = None
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)

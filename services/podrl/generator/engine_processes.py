@@ -19,6 +19,13 @@ generator killed with SIGKILL cannot shut them down, and they used to live on un
   when it stops, unlinks the recorded segments of generators that no longer run, unless a
   running process still maps or holds one (:func:`reap_dead_engine_segments`).
 
+* **a socket folder of its own**: vLLM's processes talk over ZeroMQ ``ipc://`` sockets, files
+  in ``VLLM_RPC_BASE_PATH`` (the temporary folder by default) that a killed process never
+  removes (hundreds piled up in ``/tmp`` over a day of test runs). The generator points
+  ``VLLM_RPC_BASE_PATH`` at ``<tmp>/podrl-vllm-<pid>-<start>`` (:func:`own_socket_dir`; a
+  value the user set is kept), removes it when it shuts down, and every generator start and
+  ``podrl up`` remove those of generators that no longer run (:func:`reap_dead_socket_dirs`).
+
 Only names recorded by a podrl generator are ever unlinked: ``psm_*`` segments of other
 programs carry no creator and are never touched. Imports neither torch nor vLLM (``podrl up``
 uses it).
@@ -33,7 +40,10 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
+import stat
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,6 +53,7 @@ log = logging.getLogger(__name__)
 # As in podrl.weights.shm, which imports torch; this module must not (podrl up imports it).
 SHM_DIR = Path("/dev/shm")
 PROC_DIR = Path("/proc")
+SOCKET_DIR_ENV = "VLLM_RPC_BASE_PATH"
 UNKNOWN_START = "unknown"
 
 RECORD_PREFIX = "podrl-vllm-"
@@ -240,4 +251,61 @@ def reap_dead_engine_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         record.unlink(missing_ok=True)
     if removed:
         log.info("unlinked %d shared-memory segments of killed vLLM engines", len(removed))
+    return removed
+
+
+# ---- vLLM's ZeroMQ socket files -------------------------------------------------------------
+
+
+def socket_dir_path(pid: int | None = None, tmp_dir: Path | None = None) -> Path:
+    """This generator's folder for vLLM's ``ipc://`` socket files."""
+    tmp_dir = Path(tempfile.gettempdir()) if tmp_dir is None else tmp_dir
+    return tmp_dir / record_path(pid, shm_dir=Path()).name
+
+
+def own_socket_dir(
+    environ: dict[str, str] | os._Environ[str] | None = None, tmp_dir: Path | None = None
+) -> Path | None:
+    """Create this generator's socket folder (mode 0700) and point ``VLLM_RPC_BASE_PATH`` at
+    it, unless the variable names another folder (then None: the user's folder is theirs).
+    An engine started again in this process finds its own path there and gets it back."""
+    environ = os.environ if environ is None else environ
+    path = socket_dir_path(tmp_dir=tmp_dir)
+    if environ.get(SOCKET_DIR_ENV, str(path)) != str(path):
+        return None
+    path.mkdir(mode=0o700, exist_ok=True)
+    environ[SOCKET_DIR_ENV] = str(path)
+    return path
+
+
+def remove_socket_dir(path: Path | None) -> None:
+    """The engine shut down: its socket folder goes (a folder this generator created)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def reap_dead_socket_dirs(tmp_dir: Path | None = None) -> list[str]:
+    """Remove the socket folders of generators that no longer run: real folders (never a
+    symlink) of this user named as :func:`socket_dir_path` names them. Returns their names."""
+    tmp_dir = Path(tempfile.gettempdir()) if tmp_dir is None else tmp_dir
+    try:
+        entries = os.listdir(tmp_dir)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in entries:
+        match = _RECORD_RE.match(entry)
+        if not match or _creator_alive(int(match.group(1)), match.group(2)):
+            continue
+        path = tmp_dir / entry
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        log.info("removed %d socket folders of killed vLLM engines", len(removed))
     return removed

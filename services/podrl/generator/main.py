@@ -33,6 +33,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         ensure_model_folder(model_path, may_write_tiny_model(gen))
         # Segments of an engine whose generator was killed (podrl.generator.engine_processes).
         engine_processes.reap_dead_engine_segments()
+        engine_processes.reap_dead_socket_dirs()
         engine.start()
         servicer.mark_ready()
 
