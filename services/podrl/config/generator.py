@@ -81,6 +81,13 @@ class GeneratorConfig(ServiceSection):
         description="Most Generate RPCs served at once; others wait (they still count against "
         "their deadline). Bounds memory held by pending outputs.",
     )
+    max_samples_per_request: int = Field(
+        65536,
+        ge=1,
+        description="Most completions one Generate may ask for (prompts x sampling.n); more "
+        "is INVALID_ARGUMENT before anything is tokenised or generated. Bounds the memory one "
+        "request can hold; loop.prompts_per_step x loop.sampling.n must fit (checked at load).",
+    )
     vllm_idle_spin_seconds: float | None = Field(
         None,
         ge=0,

@@ -106,6 +106,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompts: at least one prompt")
         try:
             sampling = sampling_from_proto(request.sampling)
+            cap = self._config.generator.max_samples_per_request
+            if len(request.prompts) * sampling.n > cap:
+                raise InvalidRequestError(
+                    f"prompts x sampling.n: {len(request.prompts)} x {sampling.n} completions "
+                    f"exceed generator.max_samples_per_request ({cap}); split the request"
+                )
             token_ids = []
             longest = self._engine.max_prompt_chars
             for i, prompt in enumerate(request.prompts):
