@@ -42,7 +42,7 @@ demo: setup
 	$(BIN)/podrl run $(DEMO_CONFIG)
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check services tests bench

