@@ -13,135 +13,65 @@ ahead); ``/v1/status`` showed the rollout buffer.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from podrl.models.tiny import make_tiny_model
-from tests.controller.test_scale_e2e import HOLD, Run, _records, _service_pid, _training
+from tests.controller.cli_pods_run import (
+    GROUP,
+    Run,
+    outputs,
+    service_pid,
+    stop,
+    training,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 STEPS = 10
 PROMPTS = 4
-GROUP = 4
 MAX_STALENESS = 1
 
 
 def _config(tmp_path: Path) -> tuple[Path, Path]:
-    run_dir = tmp_path / "run"
-    model = make_tiny_model(tmp_path / "tiny")
-    config = {
-        "name": "async-e2e",
-        "run_dir": str(run_dir),
-        "device": "cpu",
-        "controller": {
-            "heartbeat_interval_seconds": 0.5,
-            "heartbeat_timeout_seconds": 3,
-            "max_worker_pods": 2,
-            "min_worker_pods": 2,
-        },
-        "grpc": {"shutdown_grace_seconds": 5},
-        "grader": {"workers": 1, "item_timeout_seconds": 10},
-        "generator": {
-            "model_path": str(model),
-            "max_model_len": 64,
-            "kv_cache_memory_bytes": 16 * 1024 * 1024,
-            "max_num_seqs": 32,
-        },
-        "trainer": {
-            "model_path": str(model),
-            "lr": 1.0e-3,
-            "replication": {
-                "join_timeout_seconds": 1.0,
-                "heartbeat_timeout_seconds": 3.0,
-                "quorum_timeout_seconds": 60.0,
-                "collective_timeout_seconds": 30.0,
-            },
-        },
-        "tasks": {
-            "definitions": [
-                {
-                    "name": "copy",
-                    "source": {"kind": "procedural", "generator": "copy", "alphabet": "abc"},
-                    "template": "{question}",
-                    "rewards": [{"name": "bench.scaling_reward:varied"}],
-                }
-            ]
-        },
-        "loop": {
+    return write_config(
+        tmp_path,
+        "async-e2e",
+        controller={"max_worker_pods": 2, "min_worker_pods": 2},
+        reward={"name": "bench.scaling_reward:varied"},
+        loop={
             "mode": "async",
             "max_staleness": MAX_STALENESS,
             "steps": STEPS,
             "prompts_per_step": PROMPTS,
-            "sampling": {"n": GROUP, "max_tokens": 4, "temperature": 1.0},
-            "checkpoint_every": 0,
-            "max_step_attempts": 5,
-            "export_at_end": False,
         },
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, run_dir
-
-
-class TwoPodRun(Run):
-    """``podrl run --pods 2`` with the scale test's hold before the cross-pod exchange (so the
-    SIGKILL lands before the gradients cross pods)."""
-
-    def __init__(self, config: Path, run_dir: Path, log: Path) -> None:
-        self.run_dir = run_dir
-        self.log = log
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "podrl.cli", "run", str(config), "--pods", "2"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "COLUMNS": "200", "PODRL_FAULTS": json.dumps(HOLD)},
-            )
-        self.url = None
-        self.pids = set()
-        self.digest_checks = []
-        self._checked_epochs = set()
+    )
 
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("async")
     config, run_dir = _config(tmp_path)
-    run = TwoPodRun(config, run_dir, tmp_path / "podrl-run.log")
+    run = Run(config, run_dir, tmp_path / "podrl-run.log", pods=2)
     observed: dict[str, Any] = {}
     try:
         in_train = run.wait(
-            lambda s: s.get("phase") == "train" and len(_training(s)) == 2 and s["step"] >= 2 and s,
+            lambda s: s.get("phase") == "train" and len(training(s)) == 2 and s["step"] >= 2 and s,
             600,
             "a train phase of 2 pods after step 2",
         )
         observed["rollout"] = in_train["rollout"]
-        os.kill(_service_pid(run.process.pid, "trainer", "local-1"), signal.SIGKILL)
+        os.kill(service_pid(run.process.pid, "trainer", "local-1"), signal.SIGKILL)
         observed["killed_in_step"] = in_train["step"] + 1
         run.process.wait(timeout=900)
         observed["returncode"] = run.process.returncode
     finally:
-        if run.process.poll() is None:
-            run.process.send_signal(signal.SIGINT)
-            try:
-                run.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                run.process.kill()
-    observed["log"] = run.log.read_text(errors="replace")
-    observed["samples"] = [
-        json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
-    ]
-    observed["summary"] = json.loads((run_dir / "summary.json").read_text())
-    observed["records"] = _records(run_dir)
+        stop(run)
+    observed |= outputs(run)
     return observed
 
 
