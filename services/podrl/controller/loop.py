@@ -7,13 +7,13 @@ One step (docs/controller.md), over the pods the roster admits at its start (ros
     (train_phase) → samples.jsonl → weight sync inside each pod (weight_sync) → step record
     (recorder)
 
-With ``loop.generator_memory: sleep_during_train`` the generators sleep just before Train and
-wake just before the weight sync (weight_sync: sleep_pods, wake_pods; align wakes any left
-asleep by a failed attempt).
-
 and a trainer checkpoint every ``loop.checkpoint_every`` steps and at the end (one pod's
 trainer writes it: every replica holds the same weights). At start, and after a restart,
 ``resume`` decides where the run continues.
+
+With ``loop.generator_memory: sleep_during_train`` the generators sleep just before Train and
+wake just before the weight sync (weight_sync: sleep_pods, wake_pods; align wakes any left
+asleep by a failed attempt).
 
 Failure rules:
 - a pod lost or drained mid-step leaves the roster; what it returned is kept and the rest of
