@@ -11,6 +11,10 @@ plan, or needing a full manifest) is sent a full manifest. The trainers already 
 when a sync runs, so a failed sync is retried on its own, never by redoing the step; a pod that
 is lost meanwhile is left out (its generator is aligned by a full manifest when it is admitted
 again).
+
+With ``loop.generator_memory: sleep_during_train`` (one accelerator shared by a pod's trainer
+and generator) the generators sleep before Train (:meth:`WeightSync.sleep_pods`) and wake before
+the sync (:meth:`WeightSync.wake_pods`, retried on its own as the sync is).
 """
 
 from __future__ import annotations
@@ -225,14 +229,13 @@ class WeightSync:
         (``loop.generator_memory: sleep_during_train``). Any failure fails the step attempt
         (StepFailedError, phase ``sleep``): nothing is trained yet, and the retry's align
         wakes the generators that did fall asleep."""
-        failures = []
-        for pod, outcome in zip(
-            pods,
-            [f.result() for f in [self._pool.submit(self._sleep_one, p, level) for p in pods]],
-            strict=True,
-        ):
-            if outcome is not None:
-                failures.append(f"generator {pod.generator}: {outcome}")
+        futures = [self._pool.submit(self._sleep_one, pod, level) for pod in pods]
+        outcomes = [future.result() for future in futures]
+        failures = [
+            f"generator {pod.generator}: {outcome}"
+            for pod, outcome in zip(pods, outcomes, strict=True)
+            if outcome is not None
+        ]
         if failures:
             raise StepFailedError("sleep", "; ".join(failures))
 
