@@ -21,7 +21,7 @@ generator killed with SIGKILL cannot shut them down, and they used to live on un
 
 * **a socket folder of its own**: vLLM's processes talk over ZeroMQ ``ipc://`` sockets, files
   in ``VLLM_RPC_BASE_PATH`` (the temporary folder by default) that a killed process never
-  removes (hundreds piled up in ``/tmp`` over a day of test runs). The generator points
+  removes (hundreds piled up in the temporary folder over a day of test runs). The generator points
   ``VLLM_RPC_BASE_PATH`` at ``<tmp>/podrl-vllm-<pid>-<start>`` (:func:`own_socket_dir`; a
   value the user set is kept), removes it when it shuts down, and every generator start and
   ``podrl up`` remove those of generators that no longer run (:func:`reap_dead_socket_dirs`).
