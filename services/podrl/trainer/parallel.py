@@ -63,8 +63,13 @@ class RankEnv:
         )
 
 
+def wants_cuda(config: RunConfig) -> bool:
+    """``device: cuda``, or ``auto`` on a machine where torch sees a GPU."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
 def resolve_device(config: RunConfig, env: RankEnv) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    if wants_cuda(config):
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda requested but torch sees no GPU; set device: cpu")
         torch.cuda.set_device(env.local_rank)

@@ -31,6 +31,7 @@ from podrl.config.tasks import TasksConfig
 from podrl.tasks import TaskMixture, build_task_source
 from podrl.tasks.base import derive_seed
 from podrl.tasks.factory import task_seed
+from podrl.trainer.parallel import wants_cuda
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,7 @@ def warm_start(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # On the run's accelerator when it has one (a 0.6B-shaped model on a GPU machine's CPU
     # takes seconds a step); the CPU keeps torch's own thread count.
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda" if wants_cuda(config) else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
