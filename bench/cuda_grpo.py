@@ -302,22 +302,9 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _environment() -> dict[str, Any]:
-    import torch
-
-    env: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    try:
-        import vllm
-
-        env["vllm"] = vllm.__version__
-    except ImportError:
-        env["vllm"] = None
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
-
-
 def run(opts: Options) -> dict[str, Any]:
+    from bench.vllm_cuda import environment  # torch and vLLM's worker extension: import late
+
     opts.work_dir.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "services"), str(ROOT), os.environ.get("PYTHONPATH", "")]
@@ -325,7 +312,7 @@ def run(opts: Options) -> dict[str, Any]:
     preparation: dict[str, Any] = {}
     results: dict[str, Any] = {
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
-        "environment": _environment(),
+        "environment": environment(opts.device),
         "preparation": preparation,
         "runs": [],
     }

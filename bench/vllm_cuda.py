@@ -799,7 +799,8 @@ def _stats(values: list[float]) -> dict[str, float]:
 # ---- the run --------------------------------------------------------------------------------
 
 
-def _environment(opts: Options) -> dict[str, Any]:
+def environment(device: str) -> dict[str, Any]:
+    """Python, torch and vLLM versions, and the GPU when ``device`` is cuda."""
     env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
     try:
         import vllm
@@ -807,7 +808,7 @@ def _environment(opts: Options) -> dict[str, Any]:
         env["vllm"] = vllm.__version__
     except ImportError as err:
         env["vllm"] = f"missing: {err}"
-    if opts.device == "cuda" and torch.cuda.is_available():
+    if device == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     return env
@@ -846,7 +847,7 @@ def run(opts: Options) -> Results:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     results = Results(options={k: str(v) for k, v in asdict(opts).items()})
-    results.environment = _environment(opts)
+    results.environment = environment(opts.device)
     shape = dict(SHAPES[opts.shape])
     if opts.layers is not None:
         shape["num_hidden_layers"] = opts.layers
