@@ -187,10 +187,31 @@ def held_segments(pids: Iterable[int], shm_dir: Path = SHM_DIR) -> set[str]:
 # ---- the record ---------------------------------------------------------------------------
 
 
-def record_path(pid: int | None = None, shm_dir: Path = SHM_DIR) -> Path:
+def _generator_name(pid: int | None = None) -> str:
+    """``podrl-vllm-<pid>-<start>``: names a generator process (its record, its socket
+    folder), so that a later one can tell whether it still runs."""
     pid = os.getpid() if pid is None else pid
     start = _process_start_time(pid)
-    return shm_dir / f"{RECORD_PREFIX}{pid}-{UNKNOWN_START if start is None else start}"
+    return f"{RECORD_PREFIX}{pid}-{UNKNOWN_START if start is None else start}"
+
+
+def _entries_of_dead_generators(directory: Path) -> list[str]:
+    """The entries of ``directory`` named by :func:`_generator_name` for a process that no
+    longer runs."""
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    dead = []
+    for entry in entries:
+        match = _RECORD_RE.match(entry)
+        if match and not _creator_alive(int(match.group(1)), match.group(2)):
+            dead.append(entry)
+    return dead
+
+
+def record_path(pid: int | None = None, shm_dir: Path = SHM_DIR) -> Path:
+    return shm_dir / _generator_name(pid)
 
 
 def record_engine_segments(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -222,15 +243,7 @@ def _creator_alive(pid: int, start: str) -> bool:
 def reap_dead_engine_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the recorded ``psm_*`` segments of generators that no longer run (keeping any a
     running process still maps or holds) and their records; returns the names unlinked."""
-    try:
-        entries = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return []
-    dead = []
-    for entry in entries:
-        match = _RECORD_RE.match(entry)
-        if match and not _creator_alive(int(match.group(1)), match.group(2)):
-            dead.append(shm_dir / entry)
+    dead = [shm_dir / entry for entry in _entries_of_dead_generators(shm_dir)]
     if not dead:
         return []
     in_use = held_segments(_all_pids(), shm_dir)
@@ -260,7 +273,7 @@ def reap_dead_engine_segments(shm_dir: Path = SHM_DIR) -> list[str]:
 def socket_dir_path(pid: int | None = None, tmp_dir: Path | None = None) -> Path:
     """This generator's folder for vLLM's ``ipc://`` socket files."""
     tmp_dir = Path(tempfile.gettempdir()) if tmp_dir is None else tmp_dir
-    return tmp_dir / record_path(pid, shm_dir=Path()).name
+    return tmp_dir / _generator_name(pid)
 
 
 def own_socket_dir(
@@ -288,15 +301,8 @@ def reap_dead_socket_dirs(tmp_dir: Path | None = None) -> list[str]:
     """Remove the socket folders of generators that no longer run: real folders (never a
     symlink) of this user named as :func:`socket_dir_path` names them. Returns their names."""
     tmp_dir = Path(tempfile.gettempdir()) if tmp_dir is None else tmp_dir
-    try:
-        entries = os.listdir(tmp_dir)
-    except FileNotFoundError:
-        return []
     removed = []
-    for entry in entries:
-        match = _RECORD_RE.match(entry)
-        if not match or _creator_alive(int(match.group(1)), match.group(2)):
-            continue
+    for entry in _entries_of_dead_generators(tmp_dir):
         path = tmp_dir / entry
         try:
             info = path.lstat()
