@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/cuda_grpo.py on the H200 machine, one memory mode per call (docs/cuda.md, "One GPU,
 # four services"): after the first two vLLM carry calls,
-#   bash bench/cuda_grpo_device.sh sleep_during_train   (carry [".vp3", ".device-wheels"])
+#   bash bench/cuda_grpo_device.sh sleep_during_train   (carry [".vp3"]; the wheels installed
+#   by a call of their own before it: docs/cuda.md, section 5)
 # and, while the machine is still warm (vLLM, the wheels and the warm-started model are then
 # reused from /tmp),
 #   bash bench/cuda_grpo_device.sh resident
