@@ -319,6 +319,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     """Generate, ApplyWeights, Sleep and WakeUp calls, by name, in arrival order."""
     sleep_fails: int = 0
     """The next this many Sleep calls answer UNAVAILABLE."""
+    wake_fails: int = 0
+    """The next this many WakeUp calls answer UNAVAILABLE (and leave it asleep)."""
     _running: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -398,6 +400,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.WakeUpRequest, context: grpc.ServicerContext
     ) -> generator_pb2.WakeUpResponse:
         self.calls.append("WakeUp")
+        if self.wake_fails:
+            self.wake_fails -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected WakeUp failure")
         self.asleep = False
         return generator_pb2.WakeUpResponse()
 

@@ -325,3 +325,20 @@ def test_a_failed_sleep_retries_the_step_without_training(pod: FakePod, run_loop
     assert len(pod.trainer.received) == 3  # the failed attempt never reached Train
     assert pod.generator.calls[:3] == ["Generate", "Sleep", "Generate"]
     assert _metric("podrl_step_failures_total", phase="sleep") >= 1
+
+
+def test_a_failed_wake_is_retried_on_its_own_without_training_again(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    pod.generator.wake_fails = 1
+    run = run_loop(pod, **SLEEP)
+    assert run["state"].phase == "finished", run["state"].error
+    assert len(pod.trainer.received) == 3  # step 1 was trained once, not redone
+    assert _step_calls(pod.generator.calls)[0] == [
+        "Generate",
+        "Sleep",
+        "WakeUp",
+        "WakeUp",
+        "ApplyWeights",
+    ]
+    assert _metric("podrl_step_failures_total", phase="wake") >= 1

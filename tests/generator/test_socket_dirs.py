@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from podrl.generator.engine_processes import (
     SOCKET_DIR_ENV,
     own_socket_dir,
@@ -60,3 +62,12 @@ def test_only_real_folders_of_generators_that_are_gone_are_reaped(tmp_path: Path
     assert not dead.exists()
     assert alive.is_dir() and target.is_dir() and symlink.is_symlink()
     assert plain_file.is_file() and other.is_dir()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_folder_of_another_user_is_kept(tmp_path: Path) -> None:
+    theirs = socket_dir_path(_dead_pid(), tmp_path)
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody
+    assert reap_dead_socket_dirs(tmp_path) == []
+    assert theirs.is_dir()
