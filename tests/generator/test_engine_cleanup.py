@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from podrl.generator.engine_processes import (
@@ -19,8 +20,10 @@ from podrl.generator.engine_processes import (
     record_path,
     socket_dir_path,
 )
+from podrl.v1 import common_pb2
 from podrl.weights.shm import SHM_DIR
-from tests.generator.conftest import start_generator, stop_generator
+from tests.generator.conftest import GeneratorProcess, start_generator, stop_generator
+from tests.generator.policy import generate
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +37,38 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_probe_46_a_killed_generator_leaves_no_process_and_no_segment(tmp_path: Path) -> None:
-    """Probe row 46: after SIGKILL of the generator, vLLM's EngineCore and workers (~1.6 GB)
+def _idle_engine_cpu_seconds(gen: GeneratorProcess) -> float:
+    """CPU seconds vLLM's engine processes use in the second after a Generate settled."""
+    engine = [
+        p for p in psutil.Process(gen.process.pid).children(recursive=True)
+        if p.name().startswith("VLLM::")
+    ]  # fmt: skip
+    assert engine, "no vLLM engine process under the generator"
+    generate(gen, n=2, seed=3)
+    time.sleep(0.3)
+    before = sum(p.cpu_times().user + p.cpu_times().system for p in engine)
+    time.sleep(1.0)
+    return sum(p.cpu_times().user + p.cpu_times().system for p in engine) - before
+
+
+def test_probe_46_separate_engine_processes_idle_quietly_and_die_with_the_generator(
+    tmp_path: Path,
+) -> None:
+    """The engine core in a process of its own (the CUDA default; the CPU one is below).
+
+    Idle: unset generator.vllm_idle_spin_seconds on CPU is 0.05 s (podrl's vLLM plugin in
+    each process vLLM spawned); with vLLM's own 1 s, its engine core and worker would spin
+    through most of a second after a call, about a CPU second each.
+
+    Probe row 46: after SIGKILL of the generator, vLLM's EngineCore and workers (~1.6 GB)
     and ~420 MB of psm_* segments outlived it, also through the next run. Its children die
     with it (parent-death signal), and the segments it recorded at start are unlinked by what
     the next generator runs first (``reap_dead_engine_segments``)."""
-    gen = start_generator(tmp_path)
+    gen = start_generator(tmp_path, {"PODRL_GENERATOR__ENGINE_CORE": "separate_process"})
     children: list[int] = []
     try:
+        used = _idle_engine_cpu_seconds(gen)
+        assert used < 0.25, f"vLLM's processes used {used:.2f} CPU s in 1 s idle"
         pid = gen.process.pid
         children = descendants(pid)
         assert children, "vLLM's engine core runs in a process of its own"
@@ -70,3 +97,23 @@ def test_probe_46_a_killed_generator_leaves_no_process_and_no_segment(tmp_path: 
         for child in children:
             if _running(child):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_an_in_process_engine_core_starts_no_process_segment_or_socket(tmp_path: Path) -> None:
+    """The CPU default (``generator.engine_core: auto`` → in_process): vLLM's engine core
+    runs inside the generator, so there is nothing of vLLM's to outlive a SIGKILL."""
+    gen = start_generator(tmp_path)
+    try:
+        pid = gen.process.pid
+        info = gen.stub.Info(common_pb2.InfoRequest(), timeout=30)
+        assert info.info.details["engine_core"] == "in_process"
+        assert descendants(pid) == []
+        assert json.loads(record_path(pid).read_text()) == []
+        sockets = socket_dir_path(pid)
+        assert not any(entry.is_socket() for entry in sockets.iterdir())
+        os.kill(pid, signal.SIGKILL)
+        gen.process.wait(timeout=30)
+        reap_dead_socket_dirs()
+        assert not sockets.exists()
+    finally:
+        stop_generator(gen)

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 
 import grpc
-import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -23,6 +22,7 @@ from tests.generator.policy import (
     Policy,
     apply,
     generate,
+    info,
     max_logprob_diff,
 )
 
@@ -59,24 +59,6 @@ def test_info_reports_model_version_device_dtype_tp(generator: GeneratorProcess)
 
 
 # ---- Generate -------------------------------------------------------------------------------
-
-
-def test_the_engine_processes_stop_spinning_soon_after_a_call(generator: GeneratorProcess) -> None:
-    # Unset generator.vllm_idle_spin_seconds on CPU is 0.05 s (podrl's vLLM plugin in each
-    # process vLLM spawned); with vLLM's own 1 s, its engine core and worker would spin through
-    # most of the window below, about a CPU second each.
-    engine = [
-        p
-        for p in psutil.Process(generator.process.pid).children(recursive=True)
-        if p.name().startswith("VLLM::")
-    ]
-    assert engine, "no vLLM engine process under the generator"
-    generate(generator, n=2, seed=3)
-    time.sleep(0.3)
-    before = sum(p.cpu_times().user + p.cpu_times().system for p in engine)
-    time.sleep(1.0)
-    used = sum(p.cpu_times().user + p.cpu_times().system for p in engine) - before
-    assert used < 0.25, f"vLLM's processes used {used:.2f} CPU s in 1 s idle"
 
 
 def test_n_samples_per_prompt_grouped_with_logprobs(generator: GeneratorProcess) -> None:
@@ -126,6 +108,51 @@ def test_max_tokens_gives_length_finish(generator: GeneratorProcess) -> None:
             assert sample.finish_reason == common_pb2.FINISH_REASON_LENGTH
         else:  # EOS came first
             assert sample.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_generate_past_its_deadline_leaves_no_sequence_in_the_engine(
+    generator: GeneratorProcess,
+) -> None:
+    """The cancelled call's sequences are aborted in vLLM (either engine core): 16 prompts x
+    64 samples of up to 1,000 tokens (half of that took 15 s here, most samples ending at EOS
+    after ~110 tokens) are gone from the engine well before they could have finished, and the
+    next call is served."""
+    with pytest.raises(grpc.RpcError) as err:
+        generator.stub.Generate(
+            generator_pb2.GenerateRequest(
+                prompts=[common_pb2.Prompt(id=f"p{i}", text=f"long {i}") for i in range(16)],
+                sampling=common_pb2.SamplingParams(n=64, max_tokens=1000, temperature=1.0),
+            ),
+            timeout=1.0,
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5  # the work, if not aborted, needs about 30 s
+    while int(info(generator).info.details["unfinished_requests"]) > 0:
+        assert time.monotonic() < deadline, "the cancelled sequences still run"
+        time.sleep(0.1)
+    assert len(generate(generator, max_tokens=4).samples) == len(PROMPTS)
+
+
+def test_a_stop_token_ends_samples_exactly_as_vllms_stop_string_does(
+    generator: GeneratorProcess,
+) -> None:
+    """A one-character stop string that one token holds (a stop token, vLLM's detokenizer
+    off) against the same string plus a two-character one (vLLM checks the strings on its own
+    text), same seeds: the same samples."""
+    free = generate(generator, n=4, max_tokens=24, seed=21)
+    stop = free.samples[0].text[3]  # a character the model does produce here
+    fast = generate(generator, n=4, max_tokens=24, seed=21, stop=[stop])
+    vllm = generate(generator, n=4, max_tokens=24, seed=21, stop=[stop, stop * 2])
+    stop_token = AutoTokenizer.from_pretrained(generator.model_path).encode(stop)
+    assert len(fast.samples) == len(vllm.samples) == 8
+    stopped = 0
+    for ours, theirs in zip(fast.samples, vllm.samples, strict=True):
+        assert list(ours.token_ids) == list(theirs.token_ids)
+        assert ours.text == theirs.text and stop not in ours.text
+        assert list(ours.logprobs) == pytest.approx(list(theirs.logprobs), abs=1e-6)
+        assert ours.finish_reason == theirs.finish_reason
+        stopped += list(ours.token_ids[-1:]) == stop_token
+    assert stopped > 0  # the first sample, at least, ended at the stop character
 
 
 def test_stop_string_ends_the_sample(generator: GeneratorProcess) -> None:

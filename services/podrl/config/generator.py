@@ -68,6 +68,15 @@ class GeneratorConfig(ServiceSection):
         description="Run the model eagerly (no torch.compile / CUDA graphs): required on CPU, "
         "starts faster; turn off on GPUs for throughput.",
     )
+    engine_core: Literal["auto", "in_process", "separate_process"] = Field(
+        "auto",
+        description="Where vLLM's engine core (scheduler and model runner) runs. "
+        "separate_process: vLLM's AsyncLLM, the engine core in a process of its own. "
+        "in_process: vLLM's LLMEngine without multiprocessing, stepped on the generator's "
+        "engine thread (podrl.generator.inline_engine); one process, one core busy. auto: "
+        "in_process on CPU (half the CPU time per Generate there, docs/performance.md), "
+        "separate_process elsewhere.",
+    )
     seed: int = Field(0, ge=0, description="Engine seed (sampling without a per-request seed).")
     max_num_seqs: int = Field(
         256,

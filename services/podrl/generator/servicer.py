@@ -231,6 +231,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             details |= {
                 "weight_apply_mode": facts.apply_mode,
                 "engine_start_seconds": f"{facts.start_seconds:.1f}",
+                "unfinished_requests": str(self._engine.unfinished_requests),
                 **facts.extra,
             }
         gen = self._config.generator
