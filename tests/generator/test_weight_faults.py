@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.generator.conftest import GeneratorProcess, start_generator, stop_generator
 from tests.generator.policy import (
+    LOGPROB_TOLERANCE,
     BackgroundGenerate,
     Policy,
     apply,
     generate,
     info,
+    max_logprob_diff,
 )
 
 pytestmark = pytest.mark.slow
@@ -53,6 +56,8 @@ def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorPro
         extra_env={
             "PODRL_FAULTS": json.dumps(FAULTS),
             "PODRL_GENERATOR__WEIGHT_APPLY_OVERRUN_SECONDS": str(OVERRUN_SECONDS),
+            # vLLM's layer-wise reload (the CPU default, repack, is tested at the end).
+            "PODRL_GENERATOR__WEIGHT_APPLY_MODE": "reload",
         },
     )
     try:
@@ -259,3 +264,40 @@ def test_after_the_faults_syncs_are_version_only_again(
     assert reply.policy_version == version and reply.plan_cached
     sample = generate(generator, n=1, seed=9).samples[0]
     assert policy.versions_matching(sample, [version - 1, version]) == [version]
+
+
+def test_repack_a_failure_after_the_copy_needs_a_full_manifest_that_then_serves(
+    tmp_path: Path,
+) -> None:
+    """The CPU default (``repack``): a fault after the copy into vLLM's buffers and before the
+    packing leaves needs_full; the full manifest of that version then serves exactly its
+    weights (the new values were packed: logprobs match them)."""
+    gen = start_generator(
+        tmp_path,
+        extra_env={
+            "PODRL_FAULTS": json.dumps(
+                [{"point": "generator.mid_copy", "action": "raise", "version": 2}]
+            )
+        },
+    )
+    policy = Policy(gen)
+    try:
+        assert info(gen).info.details["weight_apply_mode"] == "repack"
+        policy.perturb()
+        apply(gen, policy.manifest(1))
+        _served(policy, 1)
+        policy.perturb(0.3)
+        with pytest.raises(grpc.RpcError) as err:
+            apply(gen, policy.manifest(2))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert NEEDS_FULL in err.value.details()
+        assert _state(gen) == ("needs_full", 1)
+        reply = apply(gen, policy.manifest(2, force_full=True))
+        _served(policy, 2)
+        assert reply.policy_version == 2 and _state(gen) == ("idle", 2)
+        for sample in generate(gen, n=2, seed=12).samples:
+            assert sample.policy_version == 2
+            assert max_logprob_diff(policy, sample) < LOGPROB_TOLERANCE
+    finally:
+        policy.publisher.close()
+        stop_generator(gen)

@@ -118,13 +118,16 @@ class GeneratorConfig(ServiceSection):
         "log_softmax of the model's logits (what the trainer computes; the GRPO behaviour "
         "policy); processed_logprobs = after temperature/top-k/top-p.",
     )
-    weight_apply_mode: Literal["auto", "in_place", "reload"] = Field(
+    weight_apply_mode: Literal["auto", "in_place", "repack", "reload"] = Field(
         "auto",
         description="How ApplyWeights writes into vLLM's workers. in_place: the copy plan "
         "writes straight into vLLM's parameters (plain tensors, e.g. unquantised GPU "
-        "weights). reload: vLLM's layer-wise reload (restore, load, re-process), needed where "
-        "the backend repacks weights after loading (CPU). auto: in_place when every parameter "
-        "still has its loaded shape, else reload.",
+        "weights). repack: as in_place, with linear weights the backend packed after loading "
+        "(CPU) written into buffers of their loaded shape, then vLLM's post-load step "
+        "(process_weights_after_loading) run again for every unquantised linear and embedding "
+        "layer. reload: vLLM's layer-wise reload (restore, load, re-process) of every layer. "
+        "auto: in_place when every parameter still has its loaded shape, repack when only "
+        "unquantised linear weights were packed away, else reload.",
     )
     weight_apply_overrun_seconds: float = Field(
         30.0,

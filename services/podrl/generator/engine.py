@@ -376,13 +376,13 @@ class VllmEngine:
         """Token ids that end every sample exactly where ``stop`` would, or None.
 
         vLLM checks stop strings on its incremental detokenizer's text, and with logprobs on
-        it also detokenizes every sampled token for the logprob entries: about a fifth of a
-        Generate on CPU (docs/performance.md). When each stop string is one ASCII character
-        that exactly one vocabulary token contains, and that token is the character
-        (``_lone_character_tokens``), the string appears in the text exactly when that token
-        is sampled (an ASCII byte is never part of another character's bytes): a stop token
-        does the same job without the detokenizer, and the text is decoded once per sample.
-        Else (and with no stop strings) vLLM detokenizes as usual."""
+        it also detokenizes every sampled token for the logprob entries (the demo's Generate
+        took about a tenth less without, docs/performance.md). When each stop string is one
+        ASCII character that exactly one vocabulary token contains, and that token is the
+        character (``_lone_character_tokens``), the string appears in the text exactly when
+        that token is sampled (an ASCII byte is never part of another character's bytes): a
+        stop token does the same job without the detokenizer, and the text is decoded once
+        per sample. Else (and with no stop strings) vLLM detokenizes as usual."""
         if not stop or any(text not in self._lone_tokens for text in stop):
             return None
         return sorted({self._lone_tokens[text] for text in stop})

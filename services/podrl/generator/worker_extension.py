@@ -11,11 +11,17 @@ it. An apply commits its version after the copy *and* vLLM's load finished; one 
 before vLLM's parameters are touched leaves the previous version serving, one that fails after
 leaves ``needs_full``.
 
-Two ways to write weights, both vLLM's own code:
+Three ways to write weights, all vLLM's own code:
 
 * ``in_place``: the receiver's copy plan writes straight into vLLM's (fused, tensor-parallel)
   parameters. Right where parameters are plain tensors that keep their loaded layout, e.g.
   unquantised weights on GPUs.
+* ``repack``: as ``in_place``, but a linear weight that vLLM's post-load step removed (the
+  CPU backend packs it for its GEMM kernel and leaves a ``[0]`` parameter) is written into a
+  buffer of its loaded shape; then vLLM's ``process_weights_after_loading`` runs again for
+  every unquantised linear and embedding layer, which packs the new values. No weight loader
+  and no layer restore: a version-only apply of the tiny model took 8-12 ms where ``reload``
+  took 26-31 (about 0.8 ms of it per layer is vLLM's packing; docs/generator.md).
 * ``reload``: the receiver fills full tensors in HF naming, then vLLM's layer-wise reload
   (``Worker.reload_weights`` with checkpoint-format weights) restores each layer to its loaded
   layout, runs the model's weight loaders, runs ``process_weights_after_loading`` again (the CPU
@@ -23,13 +29,15 @@ Two ways to write weights, both vLLM's own code:
   copy would change nothing) and copies the result into the kernel tensors the engine uses.
 
 ``auto`` picks ``in_place`` when every parameter still has the shape and dtype recorded when
-the model was loaded (vLLM records it for reloading), else ``reload``.
+the model was loaded (vLLM records it for reloading), ``repack`` when the only changed ones
+are removed weights of unquantised linear layers, else ``reload``.
 
 Fault points (``podrl.common.faults``, keyword ``version``): ``generator.apply_weights`` (an
 apply was admitted, nothing written yet), ``generator.after_copy`` (reload mode: the
 receiver's own buffers are filled, vLLM untouched), ``generator.reload`` (vLLM's reload has
 begun, before its first tensor), ``generator.mid_copy`` (reload mode: vLLM has loaded half the
-tensors; in_place mode: the copy into vLLM's parameters has run).
+tensors; in_place and repack modes: the copy into vLLM's parameters and buffers has run, and
+in repack mode nothing is packed yet).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from podrl.common import faults
 
 log = logging.getLogger(__name__)
 
-APPLY_MODES = ("auto", "in_place", "reload")
+APPLY_MODES = ("auto", "in_place", "repack", "reload")
 
 
 def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
@@ -67,6 +75,56 @@ def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
     return changed
 
 
+def _repack_plan(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """For ``repack`` mode: parameter name → the tensor a copy writes (the live parameter, or,
+    where vLLM's post-load step replaced a linear weight by an empty one, a buffer of its
+    loaded shape); None when the model has repacked tensors this mode does not handle (then
+    ``reload``). Only unquantised linear layers whose weight alone was removed qualify."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    targets = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        recorded_params, _ = get_layerwise_info(module).restore_metadata
+        for name, recorded in recorded_params.items():
+            live = getattr(module, name, None)
+            if (
+                isinstance(live, torch.Tensor)
+                and tuple(live.shape) == tuple(recorded.shape)
+                and live.dtype == recorded.dtype
+            ):
+                continue
+            removed_weight = (
+                name == "weight"
+                and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+                and isinstance(live, torch.Tensor)
+                and live.numel() == 0
+            )
+            if not removed_weight:
+                return None
+            full = f"{module_name}.{name}" if module_name else name
+            targets[full] = torch.empty(tuple(recorded.shape), dtype=recorded.dtype)
+    return targets
+
+
+def _repack(model: torch.nn.Module, targets: dict[str, torch.Tensor]) -> None:
+    """vLLM's own post-load step (``quant_method.process_weights_after_loading``) for every
+    unquantised linear and embedding layer, on the values just copied: the CPU backend packs
+    its GEMM operands there (a linear layer's weight is then removed again; an embedding keeps
+    its weight, and its packed copy for the logits is rebuilt)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
+            continue
+        weight = f"{module_name}.weight" if module_name else "weight"
+        if module.weight.numel() == 0:
+            module.weight = torch.nn.Parameter(targets[weight], requires_grad=False)
+        method.process_weights_after_loading(module)
+
+
 def _with_faults(
     tensors: list[tuple[str, torch.Tensor]], version: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,6 +143,7 @@ class PodrlWorkerExtension:
     _podrl_receiver: Any = None
     _podrl_resolved_mode: str | None = None
     _podrl_weights: Any = None
+    _podrl_repack: tuple[dict[str, torch.Tensor] | None] | None = None
 
     # ---- what the service asks the workers -------------------------------------------------
 
@@ -169,6 +228,14 @@ class PodrlWorkerExtension:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     faults.hit("generator.mid_copy", version=manifest.version)
+                elif resolved == "repack":
+                    model = self.model_runner.get_model()
+                    targets = self._podrl_repack_targets(model)
+                    copied = receiver.apply(
+                        manifest, destinations=targets, before_copy=guard.touching_served_weights
+                    )
+                    faults.hit("generator.mid_copy", version=manifest.version)
+                    _repack(model, targets)
                 else:
                     copied = receiver.apply(manifest)
                     faults.hit("generator.after_copy", version=manifest.version)
@@ -232,7 +299,7 @@ class PodrlWorkerExtension:
             description = ModelDescription.from_pretrained(self.vllm_config.model_config.model)
             dtype = self.vllm_config.model_config.dtype
             layout = None
-            if mode == "in_place":
+            if mode in ("in_place", "repack"):
                 layout = vllm_layout(
                     description,
                     get_tensor_model_parallel_rank(),
@@ -253,9 +320,21 @@ class PodrlWorkerExtension:
         if mode != "auto":
             return mode
         if self._podrl_resolved_mode is None:
-            repacked = _tensors_changed_after_loading(self.model_runner.get_model())
-            self._podrl_resolved_mode = "reload" if repacked else "in_place"
+            model = self.model_runner.get_model()
+            if not _tensors_changed_after_loading(model):
+                self._podrl_resolved_mode = "in_place"
+            elif self._podrl_repack_targets(model) is not None:
+                self._podrl_resolved_mode = "repack"
+            else:
+                self._podrl_resolved_mode = "reload"
         return self._podrl_resolved_mode
+
+    def _podrl_repack_targets(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """``_repack_plan`` of this worker's model, made once (its buffers are the copy plan's
+        destinations from then on)."""
+        if self._podrl_repack is None:
+            self._podrl_repack = (_repack_plan(model),)
+        return self._podrl_repack[0]
 
     def _podrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layer-wise reload of checkpoint-format (HF-named) tensors.
