@@ -22,7 +22,7 @@ END_PHASES = ("finished", "failed")
 
 def _status(cluster: LocalCluster) -> dict[str, Any] | None:
     try:
-        return httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
+        return cluster.http.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
     except httpx.HTTPError:
         return None
 
