@@ -175,11 +175,13 @@ def measure(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=100, help="the demo's 100")
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of steps/s")
     parser.add_argument("--seed", type=int, default=0, help="loop.sample_seed of every run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each mode, alternating (median)"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/async_vs_sync.json")
     parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
