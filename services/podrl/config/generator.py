@@ -74,7 +74,7 @@ class GeneratorConfig(ServiceSection):
         "separate_process: vLLM's AsyncLLM, the engine core in a process of its own. "
         "in_process: vLLM's LLMEngine without multiprocessing, stepped on the generator's "
         "engine thread (podrl.generator.inline_engine); one process, one core busy. auto: "
-        "in_process on CPU (half the CPU time per Generate there, docs/performance.md), "
+        "in_process on CPU (a third of the CPU time per Generate there, docs/generator.md), "
         "separate_process elsewhere.",
     )
     seed: int = Field(0, ge=0, description="Engine seed (sampling without a per-request seed).")

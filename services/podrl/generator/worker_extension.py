@@ -20,8 +20,8 @@ Three ways to write weights, all vLLM's own code:
   CPU backend packs it for its GEMM kernel and leaves a ``[0]`` parameter) is written into a
   buffer of its loaded shape; then vLLM's ``process_weights_after_loading`` runs again for
   every unquantised linear and embedding layer, which packs the new values. No weight loader
-  and no layer restore: a version-only apply of the tiny model took 8-12 ms where ``reload``
-  took 26-31 (about 0.8 ms of it per layer is vLLM's packing; docs/generator.md).
+  and no layer restore: a version-only apply of the tiny model took 8-15 ms where ``reload``
+  took 26-33 (about 0.8 ms of it per layer is vLLM's packing; docs/generator.md).
 * ``reload``: the receiver fills full tensors in HF naming, then vLLM's layer-wise reload
   (``Worker.reload_weights`` with checkpoint-format weights) restores each layer to its loaded
   layout, runs the model's weight loaders, runs ``process_weights_after_loading`` again (the CPU
