@@ -1,5 +1,5 @@
 """`podrl up`/`run` reach the controller's REST API through one client: ``httpx.get`` builds a
-client, and its TLS context, per call (about 60 ms of CPU here), and the run's progress loop
+client, and its TLS context, per call (tens of milliseconds of CPU), and the run's progress loop
 calls twice a second."""
 
 from __future__ import annotations

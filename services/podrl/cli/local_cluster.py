@@ -190,7 +190,7 @@ class LocalCluster:
         self.scaler = LocalScaler(initial, on_change=self.reconcile)
         self.http = httpx.Client(timeout=5.0)
         """One REST client for the controller's API: ``httpx.get`` builds a client, and its
-        TLS context, per call (about 60 ms of CPU each here, twice a second in `podrl run`)."""
+        TLS context, per call (tens of milliseconds of CPU, twice a second in `podrl run`)."""
 
     # -- where things are ------------------------------------------------------------------------
     @property

@@ -206,7 +206,6 @@ class VllmEngine:
             self._lone_tokens = _lone_character_tokens(self._engine.get_tokenizer())
         except Exception:  # a tokenizer without this surface: vLLM checks every stop string
             log.warning("the tokenizer cannot be scanned for stop tokens", exc_info=True)
-            self._lone_tokens = {}
         longest = _longest_token_bytes(self._engine.get_tokenizer())
         if longest is not None:
             self.max_prompt_chars = self._config.max_model_len * longest

@@ -3,8 +3,8 @@
 ``AsyncLLM`` always runs vLLM's engine core (scheduler, model runner, the worker of a
 one-device engine) in a process of its own and streams its outputs back over ZeroMQ. On a CPU
 that costs more than it buys: both processes stay busy for every decoding step, so the demo's
-Generate (16 prompts x 8 samples, 6 tokens) used about 0.36 s of CPU in 0.19 s against
-0.12 s of CPU in 0.11 s with the engine core in-process (docs/performance.md) — on two
+Generate (16 prompts x 8 samples, 6 tokens) used about 0.45 s of CPU in 0.22 s against
+0.15 s of CPU in 0.15 s with the engine core in-process (bench/generator_cpu.py) — on two
 cores the second process takes the core the pod's trainer needs.
 
 :class:`InlineEngine` is vLLM's own in-process path, the ``LLMEngine`` behind ``vllm.LLM``
@@ -22,12 +22,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def serve_with_one_intra_op_thread(env: Mapping[str, str] = os.environ) -> bool:
+    """One torch intra-op thread for the engine's steps unless ``OMP_NUM_THREADS`` says
+    otherwise (True when it set one): what vLLM gives its own serving workers, since a second
+    thread spin-waits after every small op. Called on the thread that steps the engine, before
+    vLLM's CPU worker disables ``torch.set_num_threads``."""
+    if "OMP_NUM_THREADS" in env:
+        return False
+    import torch
+
+    torch.set_num_threads(1)
+    return True
 
 
 class InlineEngineDeadError(RuntimeError):
@@ -55,14 +68,7 @@ class InlineEngine:
         # turns the one-worker executor into worker processes ("OMP requires the MP
         # executor"); in this process the worker's threads are bound like the loop thread's.
         os.environ[MULTIPROCESSING_ENV] = "0"
-        if "OMP_NUM_THREADS" not in os.environ:
-            # What vLLM gives its own worker processes for serving (one intra-op thread: a
-            # second one spin-waits after every small op, about half a core of a pod's two
-            # here). On this thread, before vLLM's CPU worker disables set_num_threads; the
-            # engine's steps run on this thread too.
-            import torch
-
-            torch.set_num_threads(1)
+        serve_with_one_intra_op_thread()
         if args.tensor_parallel_size == 1:
             args.distributed_executor_backend = "uni"  # the worker in this process too
         vllm_config = args.create_engine_config()

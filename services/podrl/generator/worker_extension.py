@@ -56,12 +56,12 @@ log = logging.getLogger(__name__)
 APPLY_MODES = ("auto", "in_place", "repack", "reload")
 
 
-def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
-    """Names of parameters whose live shape/dtype differs from the layout recorded at load time
-    (vLLM's reload metadata): post-load processing repacked them."""
+def _changed_after_loading(model: torch.nn.Module) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(full name, module, live tensor or None, recorded tensor)`` of each parameter whose
+    live shape/dtype differs from the layout recorded at load time (vLLM's reload metadata):
+    post-load processing repacked it."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    changed = []
     for module_name, module in model.named_modules():
         recorded_params, _ = get_layerwise_info(module).restore_metadata
         for name, recorded in recorded_params.items():
@@ -71,8 +71,13 @@ def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
                 or tuple(live.shape) != tuple(recorded.shape)
                 or live.dtype != recorded.dtype
             ):
-                changed.append(f"{module_name}.{name}" if module_name else name)
-    return changed
+                full = f"{module_name}.{name}" if module_name else name
+                yield full, module, live, recorded
+
+
+def _tensors_changed_after_loading(model: torch.nn.Module) -> list[str]:
+    """Names of parameters that post-load processing repacked."""
+    return [full for full, _, _, _ in _changed_after_loading(model)]
 
 
 def _repack_plan(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -81,29 +86,18 @@ def _repack_plan(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     loaded shape); None when the model has repacked tensors this mode does not handle (then
     ``reload``). Only unquantised linear layers whose weight alone was removed qualify."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     targets = dict(model.named_parameters())
-    for module_name, module in model.named_modules():
-        recorded_params, _ = get_layerwise_info(module).restore_metadata
-        for name, recorded in recorded_params.items():
-            live = getattr(module, name, None)
-            if (
-                isinstance(live, torch.Tensor)
-                and tuple(live.shape) == tuple(recorded.shape)
-                and live.dtype == recorded.dtype
-            ):
-                continue
-            removed_weight = (
-                name == "weight"
-                and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
-                and isinstance(live, torch.Tensor)
-                and live.numel() == 0
-            )
-            if not removed_weight:
-                return None
-            full = f"{module_name}.{name}" if module_name else name
-            targets[full] = torch.empty(tuple(recorded.shape), dtype=recorded.dtype)
+    for full, module, live, recorded in _changed_after_loading(model):
+        removed_weight = (
+            full.rsplit(".", 1)[-1] == "weight"
+            and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+            and isinstance(live, torch.Tensor)
+            and live.numel() == 0
+        )
+        if not removed_weight:
+            return None
+        targets[full] = torch.empty(tuple(recorded.shape), dtype=recorded.dtype)
     return targets
 
 
@@ -143,7 +137,8 @@ class PodrlWorkerExtension:
     _podrl_receiver: Any = None
     _podrl_resolved_mode: str | None = None
     _podrl_weights: Any = None
-    _podrl_repack: tuple[dict[str, torch.Tensor] | None] | None = None
+    _podrl_repack: dict[str, torch.Tensor] | None = None
+    _podrl_repack_planned = False
 
     # ---- what the service asks the workers -------------------------------------------------
 
@@ -332,9 +327,10 @@ class PodrlWorkerExtension:
     def _podrl_repack_targets(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """``_repack_plan`` of this worker's model, made once (its buffers are the copy plan's
         destinations from then on)."""
-        if self._podrl_repack is None:
-            self._podrl_repack = (_repack_plan(model),)
-        return self._podrl_repack[0]
+        if not self._podrl_repack_planned:
+            self._podrl_repack = _repack_plan(model)
+            self._podrl_repack_planned = True
+        return self._podrl_repack
 
     def _podrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layer-wise reload of checkpoint-format (HF-named) tensors.
