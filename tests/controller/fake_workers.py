@@ -79,6 +79,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     generator: FakeGenerator | None = None
     """The pod's generator: each Train notes whether it was asleep (``trained_while_asleep``)."""
     trained_while_asleep: list[bool] = field(default_factory=list)
+    published_while_generating: list[bool] = field(default_factory=list)
+    """Each PublishWeights: whether the pod's generator was running a Generate meanwhile."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
 
@@ -149,6 +151,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
+        if self.generator is not None:
+            self.published_while_generating.append(self.generator.generating)
         version_only = self._published_full and not request.force_full
         self._published_full = True
         return trainer_pb2.PublishWeightsResponse(
@@ -323,6 +327,12 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     """The next this many WakeUp calls answer UNAVAILABLE (and leave it asleep)."""
     _running: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def generating(self) -> bool:
+        """A Generate call is running now."""
+        with self._count_lock:
+            return self._running > 0
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext

@@ -107,6 +107,23 @@ def test_no_trained_sample_is_older_than_max_staleness(
     assert rollout.staleness_histogram[str(max_staleness)] > 0
 
 
+def test_the_trainers_publish_during_a_batch_and_the_generators_apply_after_it(
+    cluster: Cluster,
+) -> None:
+    # As on the CPU demo, generating a batch takes longer than training a step: the weight
+    # sync's publish (the trainers' work) overlaps the producer's batch; only ApplyWeights
+    # waits for the batch to end.
+    pod = cluster.add("pod-0")
+    pod.generator.generate_seconds = 0.3
+    pod.trainer.train_seconds = 0.05
+    run = cluster.run(steps=STEPS, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    assert any(pod.trainer.published_while_generating)
+    assert pod.generator.overlaps == 0
+    assert max(_staleness_of_trained(run)) <= 1
+    _check_every_prompt_once(run["samples"], STEPS)
+
+
 def _by_step(run: dict[str, Any]) -> list[tuple[int, str, int, bool]]:
     return sorted(
         (row["step"], row["prompt_id"], row["policy_version"], row["trained"])

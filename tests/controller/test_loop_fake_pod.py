@@ -342,3 +342,14 @@ def test_a_failed_wake_is_retried_on_its_own_without_training_again(
         "ApplyWeights",
     ]
     assert _metric("podrl_step_failures_total", phase="wake") >= 1
+
+
+def test_a_pod_synced_at_a_step_is_not_asked_again_at_the_next_step_boundary(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    # The first step's align acknowledges version 0; each sync acknowledges its version. The
+    # align after a sync that succeeded knows the trainer published that version and the
+    # generator applied it, so it asks neither again (it used to acknowledge it a second time).
+    result = run_loop(pod)
+    assert [s.policy_version for s in result["steps"]] == [1, 2, 3]
+    assert pod.trainer.acknowledged == [0, 1, 2, 3]

@@ -131,3 +131,27 @@ def test_the_gate_lets_the_loop_in_before_the_producer_starts_another_batch() ->
     assert order[:3] == ["batch 0 start", "batch 0 end", "sync"]
     assert order.count("sync") == 1
     assert len(order) == 7
+
+
+def test_the_loop_side_of_the_gate_is_shared_by_its_threads_and_excludes_the_producer() -> None:
+    gate = GeneratorGate()
+    both_in = threading.Barrier(3, timeout=5)
+    order: list[str] = []
+
+    def apply(name: str) -> None:
+        with gate.loop():  # as a sync applies to two pods' generators at once
+            both_in.wait()  # a broken barrier (timeout) if one thread waited for the other
+            time.sleep(0.1)
+            order.append(f"{name} out")
+
+    threads = [threading.Thread(target=apply, args=(name,)) for name in ("pod-0", "pod-1")]
+    for thread in threads:
+        thread.start()
+    both_in.wait()  # both hold the loop side now
+    with gate.producer(lambda: False) as held:
+        assert held
+        order.append("batch")
+    for thread in threads:
+        thread.join()
+    assert order[-1] == "batch"  # the producer waited for both applies to end
+    assert len(order) == 3

@@ -28,9 +28,10 @@ Failure rules:
 Async mode (``loop.mode: async``, rollout_buffer.py): a producer thread draws, generates and
 scores the next steps (at most ``loop.max_staleness`` ahead) while this loop trains; each step
 takes its batch from the producer, drops groups older than ``max_staleness`` versions, trains
-as above, then syncs, records and aligns the next step while holding the generator gate (so
-weights reach the generators between their batches). A failed batch is retried with the same
-prompts, a Train answered "not applied" with the same batch.
+as above, then syncs (each ApplyWeights holding the generator gate, so weights reach the
+generators between their batches), aligns the next step (holding it too) and records. A
+failed batch is retried with the same prompts, a Train answered "not applied" with the same
+batch.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import grpc
@@ -115,7 +117,12 @@ class GrpoLoop:
         self.phases = WorkerPhases(clients, self._pool, state.registry, self.roster)
         self.train_phase = TrainPhase(clients, config.loop.max_step_attempts, pool=self._pool)
         self.train_phase.on_lost = self._trainer_lost
-        self.weights = WeightSync(clients, self._pool)
+        # Asynchronous mode (loop.mode: async; rollout_buffer.py).
+        self.asynchronous = config.loop.mode == "async"
+        self.gate = GeneratorGate()
+        self.weights = WeightSync(
+            clients, self._pool, applying=self.gate.loop if self.asynchronous else nullcontext
+        )
         self.recorder = StepRecorder(config, state, store)
         self.evaluator = Evaluator(config)  # held-out prompts, drawn apart from self.source
         # Batch ids name this controller process too: one restarted never reuses an id that
@@ -127,11 +134,12 @@ class GrpoLoop:
         replica heartbeating to the Lighthouse)."""
         self._seen: dict[str, Pod] = {}
         """Each pod as last admitted: a pod whose processes changed gets new channels."""
+        self._synced: dict[str, tuple[Pod, int]] = {}
+        """Pod id → (the pod, the version) of each sync that succeeded since the last align:
+        its trainer published that version and its generator applied it, so the next align
+        need not ask them again (one align reads and clears it: a retry's align asks all)."""
         self._recorded_position: dict[str, Any] = {}
         """The task source's position after the last recorded step (set by resume)."""
-        # Asynchronous mode (loop.mode: async; rollout_buffer.py).
-        self.asynchronous = config.loop.mode == "async"
-        self.gate = GeneratorGate()
         self._producer_stopped = threading.Event()
         self._run_stop = threading.Event()
         self.producer = RolloutProducer(
@@ -256,7 +264,10 @@ class GrpoLoop:
                 for address in {before.trainer, before.generator, before.grader}:
                     self.clients.forget(address)
             self._seen[pod.id] = pod
-        versions = self._trainer_versions(pods)
+        synced, self._synced = self._synced, {}
+        settled = {pod.id for pod in pods if synced.get(pod.id) == (pod, expected)}
+        versions = self._trainer_versions([pod for pod in pods if pod.id not in settled])
+        versions |= dict.fromkeys(settled, expected)
         ahead = {pod: v for pod, v in versions.items() if v > expected}
         if ahead:
             raise RunFailedError(
@@ -282,10 +293,12 @@ class GrpoLoop:
             )
         # A generator that restarted, or missed a sync while it was unreachable, is brought
         # to the trainer's version first: its samples would be refused otherwise.
+        unsettled = [pod for pod in ready if pod.id not in settled]
         outcomes = settle(
-            self._pool, [lambda p=p: self.weights.bring_generator_to(p, expected) for p in ready]
+            self._pool,
+            [lambda p=p: self.weights.bring_generator_to(p, expected) for p in unsettled],
         )
-        for pod, outcome in zip(ready, outcomes, strict=True):
+        for pod, outcome in zip(unsettled, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 if not isinstance(outcome, StepFailedError) or not self._lost(pod):
                     raise outcome
@@ -427,7 +440,9 @@ class GrpoLoop:
             ),
         )
         for pod in synced:
-            if pod.id not in sync_seconds:
+            if pod.id in sync_seconds:
+                self._synced[pod.id] = (pod, version)
+            else:
                 self.roster.drop(pod.id, "lost during the weight sync")
         self._joining -= set(outcome.replies)
         return sync_seconds
@@ -475,8 +490,8 @@ class GrpoLoop:
     def run_step_async(self, attempt: int) -> StepRecord | None:
         """One step of async mode: its batch comes from the producer (generated and scored
         while earlier steps trained); groups older than ``loop.max_staleness`` versions are
-        dropped; Train as in sync mode; then, holding the generator gate: the weight sync, the
-        record and the next step's align."""
+        dropped; Train as in sync mode; then the weight sync (each ApplyWeights holding the
+        generator gate), the next step's align (holding it too), and the record."""
         config = self.loop_config
         step = self.state.step + 1
         expected = self.state.policy_version
@@ -522,29 +537,34 @@ class GrpoLoop:
         version = outcome.reply.policy_version if outcome else expected
         trained_ids = {s.sample_id for s in batch.sequences} if outcome else set()
         self.recorder.write_samples(step, scored.data, trained_ids)
-        with self.gate.loop():
-            sync_seconds = self._sync(outcome, version, timings)
-            record = self.recorder.record(
-                step,
-                version,
-                scored.position_after,
-                scored.data,
-                batch,
-                outcome,
-                batch_id,
-                timings,
-                epoch=epoch,
-                sync_seconds=sync_seconds,
-            )
-            self._taken = None
-            self._recorded_position = scored.position_after
-            self._count_staleness(record.metrics)
-            if step < config.steps:
+        # Each ApplyWeights holds the generator gate (WeightSync's `applying`); the publish
+        # before it overlaps the producer's batch. The step is done for the producer once the
+        # generators are aligned for the next one; its record is written while that batch runs.
+        sync_seconds = self._sync(outcome, version, timings)
+        if step < config.steps:
+            with self.gate.loop():
                 try:
                     self._align_async(version)
                 except StepFailedError as err:  # the next step aligns again at its start
                     log.warning("align after step %d failed: %s", step, err)
                     self._needs_align = True
+        self.producer.step_done(step)
+        record = self.recorder.record(
+            step,
+            version,
+            scored.position_after,
+            scored.data,
+            batch,
+            outcome,
+            batch_id,
+            timings,
+            epoch=epoch,
+            sync_seconds=sync_seconds,
+        )
+        self._taken = None
+        self._recorded_position = scored.position_after
+        self._count_staleness(record.metrics)
+        return record
         self.producer.step_done(step)
         return record
 

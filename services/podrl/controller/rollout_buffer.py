@@ -10,9 +10,10 @@ The parts, read in this order:
   batch of step ``j`` starts only after step ``j - 1`` is done: the synchronous order.
 - :class:`GeneratorGate`: who may use the generators. The producer holds it for one batch's
   ``Generate`` fan-out; the loop holds it (with priority: the producer starts no new batch
-  while the loop waits) for the weight sync after ``Train``, the step boundary (align: pods
-  admitted, generators brought to their trainers' version) and evaluations. So weights are
-  applied to each pod's generator between its generation batches, never in the middle of one.
+  while the loop waits) around each ``ApplyWeights`` of a weight sync (the trainers' publish
+  and acknowledgment need no generator), for the step boundary (align: pods admitted,
+  generators brought to their trainers' version) and for evaluations. So weights are applied
+  to each pod's generator between its generation batches, never in the middle of one.
 - :class:`RolloutProducer`: the producer thread and the buffer. It draws each step's prompts
   from the task source in step order (one ``next_prompts`` call per step, as the synchronous
   loop does), and keeps the data positions before and after them with the batch, so the step
@@ -68,49 +69,55 @@ class ScoredBatch:
 
 
 class GeneratorGate:
-    """Exclusive use of the generators: the producer for a batch, the loop (first in line) for
-    weight syncs, step boundaries and evaluations."""
+    """Who may use the generators: the producer alone, for one batch; or the loop (first in
+    line), for weight syncs, step boundaries and evaluations. The loop's side may be held by
+    several of its threads at once (a sync applies to every pod's generator in parallel, and
+    an align inside an evaluation's hold may apply one), never together with the producer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._busy = False
+        self._producer_holds = False
+        self._loop_holders = 0
         self._loop_waiting = 0
 
     @contextmanager
     def producer(self, stopped: Callable[[], bool]) -> Iterator[bool]:
         """Yields False (holding nothing) when ``stopped()`` turned true while waiting."""
+
+        def taken() -> bool:
+            return self._producer_holds or self._loop_holders > 0 or self._loop_waiting > 0
+
         acquired = False
         with self._cond:
-            while (self._busy or self._loop_waiting) and not stopped():
+            while taken() and not stopped():
                 self._cond.wait(_POLL_SECONDS)
-            if not (self._busy or self._loop_waiting):
-                self._busy = acquired = True
+            if not taken():
+                self._producer_holds = acquired = True
         if not acquired:
             yield False
             return
         try:
             yield True
         finally:
-            self._release()
+            with self._cond:
+                self._producer_holds = False
+                self._cond.notify_all()
 
     @contextmanager
     def loop(self) -> Iterator[None]:
         with self._cond:
             self._loop_waiting += 1
             try:
-                self._cond.wait_for(lambda: not self._busy)
+                self._cond.wait_for(lambda: not self._producer_holds)
             finally:
                 self._loop_waiting -= 1
-            self._busy = True
+            self._loop_holders += 1
         try:
             yield
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._cond:
-            self._busy = False
-            self._cond.notify_all()
+            with self._cond:
+                self._loop_holders -= 1
+                self._cond.notify_all()
 
 
 #: Builds step ``step``'s batch: new prompts (second argument None) or, after a failed attempt,
@@ -179,7 +186,10 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def step_done(self, step: int) -> None:
-        """Step ``step`` is trained (or trained nothing), synced and recorded."""
+        """Step ``step`` is trained (or trained nothing), its generators synced and aligned for
+        the next step. The loop records the step after this, while the next batch may already
+        be generating: a restart resumes after the last recorded step, so a batch started from
+        an unrecorded step is drawn again, as every batch in the buffer is."""
         with self._cond:
             self._done = max(self._done, step)
             self._cond.notify_all()

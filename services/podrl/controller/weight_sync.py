@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 
@@ -45,11 +46,16 @@ class WeightSync:
         clients: WorkerClients,
         pool: ThreadPoolExecutor,
         stop: threading.Event | None = None,
+        applying: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self._clients = clients
         self._pool = pool
         self.stop = stop or threading.Event()
         """Set when the run stops: retries end early."""
+        self._applying = applying
+        """Held around every ``ApplyWeights`` (async mode: the loop's side of the generator
+        gate, so a generator is never given weights in the middle of a batch); the trainers'
+        publish and acknowledgment run outside it."""
 
     def sync(
         self, pod: Pod, version: int, force_full: bool = False, rollback: bool = False
@@ -59,6 +65,18 @@ class WeightSync:
         back to a checkpoint)."""
         trainer = self._clients.trainer(pod.trainer)
         manifest = self._publish(pod, trainer, version, force_full or rollback)
+        with self._applying():
+            self._apply(pod, trainer, version, manifest, rollback)
+        self._acknowledge(pod, trainer, version)
+
+    def _apply(
+        self,
+        pod: Pod,
+        trainer: trainer_pb2_grpc.TrainerStub,
+        version: int,
+        manifest: weights_pb2.WeightManifest,
+        rollback: bool,
+    ) -> None:
         stub = self._clients.generator(pod.generator)
         request = generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=rollback)
         try:
@@ -78,7 +96,6 @@ class WeightSync:
                 raise StepFailedError(
                     "sync", f"generator {pod.generator}: {describe_rpc_error(err)}"
                 ) from err
-        self._acknowledge(pod, trainer, version)
 
     def _publish(
         self, pod: Pod, trainer: trainer_pb2_grpc.TrainerStub, version: int, force_full: bool
