@@ -12,6 +12,11 @@ steps of ``--prompts`` prompts x ``--group`` samples. From the run database the 
   each to its own generator), averaged over the pods of the step; ``sync_ms_max`` the slowest
   pod's median.
 
+The pod counts run ``--repeats`` times, in rounds (1, 2, 3, 1, 2, 3, ...), so a change of the
+shared machine's speed during the script falls on every count. A count's row is its run of
+median ``sync_ms`` (the lower one of an even count), with every run in ``runs``; the ratio is
+between those rows.
+
 Target (issue 12): ``sync_ms`` flat in P, at most 1.2x from 1 to 3 pods, since weight sync stays
 inside each pod. Throughput is reported, not judged: on a 2-core machine P pods share the same
 two cores, so steps do not get faster and per-pod work (sync included) competes for CPU.
@@ -40,10 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 REWARD = "bench.scaling_reward:varied"
 
 
-def _config(work: Path, model: Path, pods: int, args: argparse.Namespace) -> Path:
+def _config(work: Path, model: Path, pods: int, name: str, args: argparse.Namespace) -> Path:
     config = {
-        "name": f"scaling-{pods}",
-        "run_dir": str(work / f"run-{pods}"),
+        "name": f"scaling-{name}",
+        "run_dir": str(work / f"run-{name}"),
         "device": "cpu",
         # The loop starts once all P pods are healthy: every timed step is a P-pod step.
         "controller": {
@@ -77,7 +82,7 @@ def _config(work: Path, model: Path, pods: int, args: argparse.Namespace) -> Pat
             "export_at_end": False,
         },
     }
-    path = work / f"run-{pods}.yaml"
+    path = work / f"run-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -91,9 +96,12 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
         ]
 
 
-def measure(work: Path, model: Path, pods: int, args: argparse.Namespace) -> dict[str, Any]:
-    config = _config(work, model, pods, args)
-    log = work / f"run-{pods}.log"
+def measure(
+    work: Path, model: Path, pods: int, repeat: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    name = f"{pods}-{repeat}"
+    config = _config(work, model, pods, name, args)
+    log = work / f"run-{name}.log"
     started = time.monotonic()
     with open(log, "wb") as out:
         done = subprocess.run(
@@ -107,7 +115,7 @@ def measure(work: Path, model: Path, pods: int, args: argparse.Namespace) -> dic
         )
     if done.returncode != 0:
         raise RuntimeError(f"podrl run --pods {pods} failed ({done.returncode}); see {log}")
-    steps = _steps(work / f"run-{pods}")
+    steps = _steps(work / f"run-{name}")
     timed = [s for s in steps if s["step"] > args.warmup]
     if len(timed) < 2:
         raise RuntimeError(f"--steps {args.steps} leaves fewer than 2 steps after the warm-up")
@@ -136,7 +144,8 @@ def measure(work: Path, model: Path, pods: int, args: argparse.Namespace) -> dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", default="1,2,3", help="pod counts to run (default 1,2,3)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each pod count (median)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--group", type=int, default=4)
@@ -147,20 +156,30 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "services"))
     from podrl.models.tiny import make_tiny_model
 
-    rows = []
+    counts = [int(p) for p in args.pods.split(",")]
+    runs: dict[int, list[dict[str, Any]]] = {pods: [] for pods in counts}
     with tempfile.TemporaryDirectory(prefix="podrl-scaling-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         model = make_tiny_model(work / "tiny")
-        for pods in (int(p) for p in args.pods.split(",")):
-            row = measure(work, model, pods, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n{'pods':>4} {'steps/s':>8} {'samples/s':>10} {'sync ms':>8} {'sync ms max':>12}")
+        for repeat in range(args.repeats):
+            for pods in counts:
+                run = measure(work, model, pods, repeat, args)
+                runs[pods].append(run)
+                print(json.dumps(run), flush=True)
+    rows = []
+    for pods in counts:
+        ordered = sorted(runs[pods], key=lambda r: r["sync_ms"])
+        rows.append({**ordered[(len(ordered) - 1) // 2], "runs": runs[pods]})
+    print(
+        f"\n{'pods':>4} {'steps/s':>8} {'samples/s':>10} {'sync ms':>8} {'sync ms max':>12} "
+        f"{'sync ms of each run':>24}"
+    )
     for row in rows:
+        each = ",".join(f"{r['sync_ms']:.1f}" for r in row["runs"])
         print(
             f"{row['pods']:>4} {row['steps_per_s']:>8.3f} {row['samples_per_s']:>10.1f} "
-            f"{row['sync_ms']:>8.1f} {row['sync_ms_max']:>12.1f}"
+            f"{row['sync_ms']:>8.1f} {row['sync_ms_max']:>12.1f} {each:>24}"
         )
     by_pods = {row["pods"]: row for row in rows}
     result: dict[str, Any] = {
