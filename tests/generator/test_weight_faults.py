@@ -56,7 +56,7 @@ def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorPro
         extra_env={
             "PODRL_FAULTS": json.dumps(FAULTS),
             "PODRL_GENERATOR__WEIGHT_APPLY_OVERRUN_SECONDS": str(OVERRUN_SECONDS),
-            # vLLM's layer-wise reload (the CPU default, repack, is tested at the end).
+            # vLLM's layer-wise reload (in_place and repack are tested at the end).
             "PODRL_GENERATOR__WEIGHT_APPLY_MODE": "reload",
         },
     )
@@ -266,23 +266,28 @@ def test_after_the_faults_syncs_are_version_only_again(
     assert policy.versions_matching(sample, [version - 1, version]) == [version]
 
 
-def test_repack_a_failure_after_the_copy_needs_a_full_manifest_that_then_serves(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("cpu_linear_weights", "resolved"), [("plain", "in_place"), ("packed", "repack")]
+)
+def test_a_failure_after_the_copy_needs_a_full_manifest_that_then_serves(
+    tmp_path: Path, cpu_linear_weights: str, resolved: str
 ) -> None:
-    """The CPU default (``repack``): a fault after the copy into vLLM's buffers and before the
-    packing leaves needs_full; the full manifest of that version then serves exactly its
-    weights (the new values were packed: logprobs match them)."""
+    """The CPU defaults of ``weight_apply_mode: auto``: ``in_place`` over plain linear weights
+    (``generator.cpu_linear_weights``' default) and ``repack`` over vLLM's packed ones. A fault
+    after the copy into vLLM's tensors (and, for repack, before the packing) leaves needs_full;
+    the full manifest of that version then serves exactly its weights (logprobs match them)."""
     gen = start_generator(
         tmp_path,
         extra_env={
             "PODRL_FAULTS": json.dumps(
                 [{"point": "generator.mid_copy", "action": "raise", "version": 2}]
-            )
+            ),
+            "PODRL_GENERATOR__CPU_LINEAR_WEIGHTS": cpu_linear_weights,
         },
     )
     policy = Policy(gen)
     try:
-        assert info(gen).info.details["weight_apply_mode"] == "repack"
+        assert info(gen).info.details["weight_apply_mode"] == resolved
         policy.perturb()
         apply(gen, policy.manifest(1))
         _served(policy, 1)

@@ -97,6 +97,13 @@ class GeneratorConfig(ServiceSection):
         "is INVALID_ARGUMENT before anything is tokenised or generated. Bounds the memory one "
         "request can hold; loop.prompts_per_step x loop.sampling.n must fit (checked at load).",
     )
+    cpu_linear_weights: Literal["plain", "packed"] = Field(
+        "plain",
+        description="On CPU: plain keeps every linear layer's weight as loaded and computes "
+        "with torch's linear, so weight applies write in place (weight_apply_mode auto → "
+        "in_place); packed keeps vLLM's CPU GEMM kernels, which hold a packed copy that each "
+        "apply rebuilds (auto → repack). No effect on GPUs (podrl.generator.cpu_linear).",
+    )
     vllm_idle_spin_seconds: float | None = Field(
         None,
         ge=0,

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator import engine_processes
+from podrl.generator import cpu_linear, engine_processes
+from podrl.generator.cpu_linear import CPU_LINEAR_ENV
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.inline_engine import InlineEngine
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
@@ -252,6 +253,13 @@ class VllmEngine:
         if idle_spin is not None:
             # Read by podrl.generator.vllm_plugin in the engine processes vLLM spawns.
             os.environ[IDLE_SPIN_ENV] = repr(float(idle_spin))
+        # Read by the plugin in the processes vLLM spawns; this process loads the model itself
+        # when the engine core runs in it, and may have loaded vLLM's plugins already.
+        if current_platform.is_cpu():
+            os.environ[CPU_LINEAR_ENV] = cfg.cpu_linear_weights
+            cpu_linear.apply_from_environment()
+        else:
+            os.environ.pop(CPU_LINEAR_ENV, None)
         args = AsyncEngineArgs(
             model=str(self._model_path),
             dtype=cfg.dtype,

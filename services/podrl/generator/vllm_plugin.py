@@ -1,4 +1,6 @@
-"""podrl's vLLM general plugin: how long vLLM's processes spin after a message before they sleep.
+"""podrl's vLLM general plugin: process-wide settings vLLM has no option for, made in every
+process vLLM starts. How long vLLM's processes spin after a message before they sleep (below),
+and whether CPU linear layers keep their weights as loaded (podrl.generator.cpu_linear).
 
 vLLM's engine-core and worker processes read their shared-memory message queues through
 ``SpinCondition``: after every message a reader spins (``sched_yield``) for ``busy_loop_s``
@@ -31,7 +33,16 @@ _PATCHED = "_podrl_idle_spin"
 
 
 def register() -> None:
-    """vLLM's entry point: apply :data:`IDLE_SPIN_ENV` to ``SpinCondition`` readers."""
+    """vLLM's entry point: :data:`IDLE_SPIN_ENV` and ``podrl.generator.cpu_linear``'s
+    variable."""
+    from podrl.generator.cpu_linear import apply_from_environment
+
+    apply_from_environment()
+    _set_idle_spin()
+
+
+def _set_idle_spin() -> None:
+    """Apply :data:`IDLE_SPIN_ENV` to ``SpinCondition`` readers."""
     value = os.environ.get(IDLE_SPIN_ENV)
     if value is None:
         return
