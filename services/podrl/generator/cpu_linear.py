@@ -9,13 +9,18 @@ linear layer to build each oneDNN handle, most of a version-only apply of the de
 
 With ``plain`` (the default) each such layer computes with ``torch.nn.functional.linear`` on
 its weight as loaded, so the copy plan writes new values straight into the tensors the model
-reads (``weight_apply_mode`` auto resolves to ``in_place``) and nothing is packed again. On the
-demo's workload the Generate phase costs no more CPU than with vLLM's kernels
-(bench/generator_cpu.py). ``packed`` keeps vLLM's own dispatch.
+reads (``weight_apply_mode`` auto resolves to ``in_place``) and nothing is packed again:
+bench/generator_cpu.py measured a version-only apply at 5.2 ms against repack's 16.9, and the
+demo's Generate at 0.18 CPU-s against 0.16 with vLLM's kernels (one run each, on a host whose
+speed varied by a third; docs/generator.md). ``packed`` keeps vLLM's own dispatch.
 
 vLLM has no option for this; :func:`keep_cpu_linear_weights_plain` replaces the dispatch
-function in vLLM's module (its callers import it from there when they run) and is called by
-podrl's vLLM plugin in every process vLLM starts when :data:`CPU_LINEAR_ENV` is ``plain``.
+function in vLLM's module (its callers import it from there when they run). The generator calls
+it when its engine core runs in its own process (``engine_core`` in_process, the CPU default),
+and podrl's vLLM plugin calls it when :data:`CPU_LINEAR_ENV` is ``plain`` (a fresh interpreter
+that loads vLLM's plugins, ``tests/generator/test_cpu_linear.py``). vLLM's own engine-core and
+worker processes (``separate_process``) were measured never to run that patch, so the generator
+leaves the variable unset there and those processes keep vLLM's kernels (``auto`` → repack).
 Layers whose weight is on the meta device or not 2-D (e.g. MoE experts) keep vLLM's dispatch.
 On a vLLM without that function nothing changes, and ``auto`` resolves as before.
 """

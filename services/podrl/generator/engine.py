@@ -253,9 +253,11 @@ class VllmEngine:
         if idle_spin is not None:
             # Read by podrl.generator.vllm_plugin in the engine processes vLLM spawns.
             os.environ[IDLE_SPIN_ENV] = repr(float(idle_spin))
-        # Read by the plugin in the processes vLLM spawns; this process loads the model itself
-        # when the engine core runs in it, and may have loaded vLLM's plugins already.
-        if current_platform.is_cpu():
+        # Plain CPU linear weights: this process loads the model when the engine core runs in
+        # it (the patch is made here; vLLM may have loaded its plugins already). vLLM's own
+        # engine-core and worker processes keep vLLM's kernels (measured: they never ran the
+        # plugin's patch), so there auto resolves to repack.
+        if current_platform.is_cpu() and self.engine_core == "in_process":
             os.environ[CPU_LINEAR_ENV] = cfg.cpu_linear_weights
             cpu_linear.apply_from_environment()
         else:
