@@ -7,13 +7,11 @@ patches vLLM's module."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from podrl.generator.cpu_linear import CPU_LINEAR_ENV
+from tests.generator.fresh_interpreter import run_with
 
 #: A linear layer through vLLM's CPU post-load dispatch, then a new weight written in place.
 PROBE = """
@@ -38,14 +36,7 @@ print(json.dumps({"kept": kept, "follows_the_write": follows}))
 
 
 def _probe(value: str | None) -> dict[str, bool]:
-    env = {k: v for k, v in os.environ.items() if k != CPU_LINEAR_ENV}
-    if value is not None:
-        env[CPU_LINEAR_ENV] = value
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(run_with(CPU_LINEAR_ENV, value, PROBE).strip().splitlines()[-1])
 
 
 def test_plain_weights_are_kept_and_a_write_into_them_is_what_the_layer_computes() -> None:

@@ -3,13 +3,10 @@ spinning soon after a message. In a fresh interpreter each, since it patches vLL
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from podrl.generator.vllm_plugin import IDLE_SPIN_ENV
+from tests.generator.fresh_interpreter import run_with
 
 #: Builds a reader and a writer SpinCondition after vLLM's own plugin loading, prints their spin.
 PROBE = """
@@ -27,14 +24,7 @@ print(reader.busy_loop_s, writer.busy_loop_s)
 
 
 def _spin_times(value: str | None) -> tuple[float, float]:
-    env = {k: v for k, v in os.environ.items() if k != IDLE_SPIN_ENV}
-    if value is not None:
-        env[IDLE_SPIN_ENV] = value
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    reader, writer = result.stdout.split()[-2:]
+    reader, writer = run_with(IDLE_SPIN_ENV, value, PROBE).split()[-2:]
     return float(reader), float(writer)
 
 
