@@ -87,6 +87,73 @@ def test_a_failed_batch_is_handed_over_and_made_again_only_when_asked() -> None:
     assert calls == [(1, False), (2, False), (2, True), (3, False)]
 
 
+def test_a_batch_scores_while_the_next_one_generates() -> None:
+    # Scoring step 1 waits for step 2's generation to start: a producer that scored each
+    # batch before generating the next would never start it (the wait times out: False).
+    generating_2 = threading.Event()
+    overlapped: list[bool] = []
+
+    def generate(step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        if step == 2:
+            generating_2.set()
+        return _batch(step)
+
+    def score(batch: ScoredBatch) -> None:
+        if batch.step == 1:
+            overlapped.append(generating_2.wait(5))
+        batch.seconds["score"] = 0.0
+
+    producer = RolloutProducer(generate, score, max_staleness=1, last_step=2, stopped=bool)
+    producer.start(1)
+    try:
+        first = producer.take(1)
+        assert first is not None and "score" in first.seconds  # scored before it is handed over
+        producer.step_done(1)
+        assert producer.take(2) is not None
+    finally:
+        producer.close()
+    assert overlapped == [True]
+
+
+def test_a_failed_score_is_handed_over_and_the_step_made_again_with_its_prompts() -> None:
+    calls: list[tuple[int, bool]] = []
+    scored: list[int] = []
+    failure_seen = threading.Event()
+
+    def generate(step: int, failed: ScoredBatch | None) -> ScoredBatch:
+        calls.append((step, failed is not None))
+        if step == 2:  # generating while step 1's scoring fails; done once the loop saw it
+            assert failure_seen.wait(5)
+        if failed is not None:
+            return ScoredBatch(step, failed.data, failed.position_before, failed.position_after)
+        return _batch(step)
+
+    def score(batch: ScoredBatch) -> None:
+        scored.append(batch.step)
+        if scored == [1]:
+            batch.error = StepFailedError("score", "injected")
+
+    producer = RolloutProducer(generate, score, max_staleness=2, last_step=3, stopped=bool)
+    producer.start(1)
+    try:
+        with pytest.raises(StepFailedError, match="injected"):
+            producer.take(1)
+        failure_seen.set()
+        time.sleep(0.3)
+        assert (3, False) not in calls  # the bound allows step 3; the failure holds it back
+        producer.retry(1)
+        again = producer.take(1)
+        assert again is not None and again.position_before == {"at": 0}  # the same prompts
+        producer.step_done(1)
+        assert producer.take(2) is not None  # generated before the failure: kept
+        producer.step_done(2)
+        assert producer.take(3) is not None
+    finally:
+        producer.close()
+    assert calls == [(1, False), (2, False), (1, True), (3, False)]
+    assert scored == [1, 2, 1, 3]
+
+
 def test_a_producer_that_crashes_fails_the_run_and_a_stop_ends_the_wait() -> None:
     def crash(step: int, failed: ScoredBatch | None) -> ScoredBatch:
         raise RuntimeError("the source broke")

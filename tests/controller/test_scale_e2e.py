@@ -88,6 +88,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         run.scale(1)  # local-2 and local-1 drain on SIGTERM
         run.wait(lambda s: training(s) == ["local-0"], 300, "1 pod left")
         observed["drained_at_step"] = run.status()["step"]
+        # Digests are compared while the test polls, once a step of the epoch is recorded.
+        run.wait(lambda s: any(len(p) == 1 for *_, p in run.digest_checks), 300, "1 pod checked")
         gate.unlink()  # the rest of the run at full speed
         run.process.wait(timeout=600)
         observed["returncode"] = run.process.returncode

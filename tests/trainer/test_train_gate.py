@@ -147,3 +147,21 @@ def test_a_gpu_publication_refuses_train_until_acknowledged(served: Served) -> N
     assert served.stub.Info(common_pb2.InfoRequest(), timeout=10).policy_version == 0
     served.stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=30)
     assert served.stub.Train(make_request(1), timeout=60).policy_version == 1
+
+
+def test_one_rank_runs_its_commands_without_collectives(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One rank has no one to tell: a command, the publish's finiteness verdict and the gather
+    # of its shards are local (on CUDA each collective would also synchronise the device).
+    calls: list[str] = []
+    for name in ("broadcast", "all_gather", "gather", "all_reduce"):
+        monkeypatch.setattr(torch.distributed, name, lambda *a, _n=name, **k: calls.append(_n))
+    reply = served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest())
+    assert reply.manifest.shards  # this rank's shards, published
+    served.stub.AcknowledgeWeights(
+        trainer_pb2.AcknowledgeWeightsRequest(
+            version=reply.manifest.version, generator_id="controller"
+        )
+    )
+    assert calls == []

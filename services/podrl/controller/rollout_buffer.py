@@ -14,19 +14,24 @@ The parts, read in this order:
   and acknowledgment need no generator), for the step boundary (align: pods admitted,
   generators brought to their trainers' version) and for evaluations. So weights are applied
   to each pod's generator between its generation batches, never in the middle of one.
-- :class:`RolloutProducer`: the producer thread and the buffer. It draws each step's prompts
-  from the task source in step order (one ``next_prompts`` call per step, as the synchronous
-  loop does), and keeps the data positions before and after them with the batch, so the step
-  record stores the position after the prompts that step trained (or dropped). A restarted
-  controller continues from there: the prompts that were in the buffer are drawn and generated
-  again, none is skipped and none trained twice. A batch whose generate or score phase failed is
-  handed to the loop as that failure; the producer then waits until the loop, after its retry
-  rules (backoff, wait for workers, align), asks for the same prompts again (:meth:`retry`).
+- :class:`RolloutProducer`: the producer's two threads and the buffer. The generating thread
+  draws each step's prompts from the task source in step order (one ``next_prompts`` call per
+  step, as the synchronous loop does) and generates them; the scoring thread scores the batches
+  in the same order, so a batch scores while the next one generates (the grader and the
+  generator are different processes). Each batch keeps the data positions before and after its
+  prompts, so the step record stores the position after the prompts that step trained (or
+  dropped). A restarted controller continues from there: the prompts that were in the buffer
+  are drawn and generated again, none is skipped and none trained twice. A batch whose generate
+  or score phase failed is handed to the loop as that failure, and no further step starts until
+  the loop, after its retry rules (backoff, wait for workers, align), asks for the same prompts
+  again (:meth:`retry`); a step whose batch was already generating when its predecessor's
+  scoring failed is kept (it is scored, or fails, on its own).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -120,45 +125,62 @@ class GeneratorGate:
                 self._cond.notify_all()
 
 
-#: Builds step ``step``'s batch: new prompts (second argument None) or, after a failed attempt,
-#: the same prompts again (the failed batch). Returns the batch with ``error`` set on a failed
-#: generate or score phase; anything it raises ends the producer and fails the run.
-Produce = Callable[[int, ScoredBatch | None], ScoredBatch]
+#: Generates step ``step``'s batch: new prompts (second argument None) or, after a failed
+#: attempt, the same prompts again (the failed batch). Returns the batch with ``error`` set on a
+#: failed generate phase; anything it raises ends the producer and fails the run.
+Generate = Callable[[int, ScoredBatch | None], ScoredBatch]
+#: Scores a generated batch in place, setting its ``error`` on a failed score phase; anything
+#: it raises ends the producer and fails the run.
+Score = Callable[[ScoredBatch], None]
 
 
 class RolloutProducer:
     def __init__(
         self,
-        produce: Produce,
+        generate: Generate,
+        score: Score | None = None,
         *,
         max_staleness: int,
         last_step: int,
         stopped: Callable[[], bool],
     ) -> None:
-        self._produce = produce
+        self._generate = generate
+        self._score = score
         self._k = max_staleness
         self._last_step = last_step
         self._stopped = stopped
         self._closed = threading.Event()
         self._cond = threading.Condition()
         self._ready: dict[int, ScoredBatch] = {}
+        self._scoring: queue.Queue[ScoredBatch] = queue.Queue()
+        self._failed: dict[int, ScoredBatch] = {}
+        """Failed batches, by step, until the loop asks for them again."""
+        self._halted = False
+        """A failure was handed over: no new step starts before the loop's :meth:`retry`."""
         self._done = 0
         self._retry: int | None = None
         self._crash: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- the loop's side -------------------------------------------------------------------------
     def start(self, first_step: int) -> None:
         """Produce from ``first_step`` on; ``first_step - 1`` steps are done."""
         self._done = first_step - 1
-        self._thread = threading.Thread(
-            target=self._run, args=(first_step,), name="rollout-producer", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._generating, args=(first_step,), name="rollout-producer", daemon=True
+            )
+        ]
+        if self._score is not None:
+            self._threads.append(
+                threading.Thread(target=self._scoring_thread, name="rollout-scorer", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
 
     @property
     def started(self) -> bool:
-        return self._thread is not None
+        return bool(self._threads)
 
     def take(self, step: int) -> ScoredBatch | None:
         """Step ``step``'s batch, waiting for it; None when the run stops first. A failed
@@ -196,15 +218,15 @@ class RolloutProducer:
 
     def close(self) -> None:
         self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
 
     def fill(self) -> tuple[int, int]:
         """(scored steps, scored groups) waiting in the buffer."""
         with self._cond:
             return len(self._ready), sum(len(b.data.items) for b in self._ready.values())
 
-    # -- the producer thread ---------------------------------------------------------------------
+    # -- the producer's threads ------------------------------------------------------------------
     def _is_stopped(self) -> bool:
         return self._closed.is_set() or self._stopped()
 
@@ -222,29 +244,61 @@ class RolloutProducer:
 
     def _put(self, batch: ScoredBatch) -> None:
         with self._cond:
+            if batch.error is not None:
+                log.warning("step %d: its batch failed: %s", batch.step, batch.error)
+                self._failed[batch.step] = batch
+                self._halted = True
             self._ready[batch.step] = batch
             self._publish_fill()
             self._cond.notify_all()
 
-    def _run(self, step: int) -> None:
+    def _crashed(self, err: BaseException) -> None:
+        log.exception("rollout producer crashed")
+        with self._cond:
+            self._crash = err
+            self._cond.notify_all()
+
+    def _generating(self, step: int) -> None:
+        """Generate the steps in order (a retry first), each once the bound lets it start."""
+
+        def next_job() -> bool:
+            if self._retry is not None:
+                return True
+            return (
+                step <= self._last_step
+                and not self._halted
+                and may_start(step, self._done, self._k)
+            )
+
         try:
-            while step <= self._last_step:
+            while True:
                 with self._cond:
-                    if not self._wait(lambda s=step: may_start(s, self._done, self._k)):
+                    if not self._wait(next_job):
                         return
-                batch = self._produce(step, None)
-                while batch.error is not None:
-                    log.warning("step %d: its batch failed: %s", step, batch.error)
+                    if self._retry is not None:
+                        job, failed = self._retry, self._failed.pop(self._retry)
+                        self._retry, self._halted = None, False
+                    else:
+                        job, failed = step, None
+                        step += 1
+                batch = self._generate(job, failed)
+                if batch.error is not None or self._score is None:
                     self._put(batch)
-                    with self._cond:
-                        if not self._wait(lambda s=step: self._retry == s):
-                            return
-                        self._retry = None
-                    batch = self._produce(step, batch)
-                self._put(batch)
-                step += 1
+                else:
+                    self._scoring.put(batch)
         except BaseException as err:  # the loop fails the run with it (take raises)
-            log.exception("rollout producer crashed")
-            with self._cond:
-                self._crash = err
-                self._cond.notify_all()
+            self._crashed(err)
+
+    def _scoring_thread(self) -> None:
+        """Score the generated batches in the order they were generated."""
+        assert self._score is not None
+        try:
+            while not self._is_stopped():
+                try:
+                    batch = self._scoring.get(timeout=_POLL_SECONDS)
+                except queue.Empty:
+                    continue
+                self._score(batch)
+                self._put(batch)
+        except BaseException as err:
+            self._crashed(err)

@@ -100,9 +100,12 @@ class CommandLoop:
             if self._closed:
                 raise RuntimeError("the trainer's rank command loop is shut down")
             command = trainer_pb2.RankCommand(name=name, payload=payload)
-            self._broadcast_bytes(command.SerializeToString())
-            reply = self._dispatch(command)
-            replies = [trainer_pb2.RankReply.FromString(b) for b in self._gather(reply)]
+            if self.world_size == 1:  # no other rank to tell: four collectives saved a command
+                replies = [self._dispatch(command)]
+            else:
+                self._broadcast_bytes(command.SerializeToString())
+                reply = self._dispatch(command)
+                replies = [trainer_pb2.RankReply.FromString(b) for b in self._gather(reply)]
         errors = {rank: r.error for rank, r in enumerate(replies) if r.error}
         if errors:
             raise RankCommandError(name, errors)

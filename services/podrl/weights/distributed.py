@@ -19,9 +19,11 @@ def gather_bytes(
 
     Uses the group's backend device (CPU for gloo, the current CUDA device for nccl).
     """
+    world = dist.get_world_size(group)
+    if world == 1:  # this rank is ``dst``: nothing to exchange
+        return [payload]
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]

@@ -108,7 +108,8 @@ class TrainerWeightSync:
                 module.reshard()
         self._require_finite_everywhere(version)
         part = self.publisher.prepare(version, ack_timeout=0.0, check_finite=False)
-        parts = gather_publications(part) if torch.distributed.is_initialized() else [part]
+        several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        parts = gather_publications(part) if several else [part]
         if self.rank != 0:
             return b""
         manifest = self.assembler.assemble(version, parts, force_full=request.force_full)
@@ -120,7 +121,8 @@ class TrainerWeightSync:
         in the gather below)."""
         bad = self.publisher.non_finite_parameter()
         verdicts = [(self.rank, bad or "")]
-        if torch.distributed.is_initialized():
+        # One rank needs no exchange (on CUDA it would also cost a device synchronisation).
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             flags = torch.tensor([int(bad is not None)], dtype=torch.int32)
             if torch.distributed.get_backend() == "nccl":
                 flags = flags.cuda()

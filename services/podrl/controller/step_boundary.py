@@ -1,0 +1,190 @@
+"""A step boundary: which pods take part in the next step, and at which policy version.
+
+The loop asks :class:`StepBoundary` three things (docs/controller.md, "One step"):
+
+- :meth:`~StepBoundary.align` at the start of a step: admit the roster's pods, tell the joining
+  ones apart (their trainer is behind and heals from a peer inside its first Train; their
+  generator is synced after it) and bring every other pod's generator to the run's version.
+  It returns the pods that generate.
+- :meth:`~StepBoundary.train_set` before Train: every trainer that must get this step's Train
+  (torchft's quorum counts each trainer that has trained in this run).
+- :meth:`~StepBoundary.lead`: the pod whose trainer writes checkpoints and exports.
+
+It owns the membership facts that outlive one step: which pods are joining, the trainer
+incarnation each pod last trained with, each pod as last admitted (a pod whose processes
+changed gets new channels), and the syncs that succeeded since the last align.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from podrl.controller.clients import WorkerClients
+from podrl.controller.phases import settle
+from podrl.controller.roster import Pod, PodRoster, pod_order
+from podrl.controller.status import RunState
+from podrl.controller.step_errors import RunFailedError, StepFailedError
+from podrl.controller.train_phase import TrainPhase
+from podrl.controller.weight_sync import WeightSync
+from podrl.v1 import controller_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+class StepBoundary:
+    def __init__(
+        self,
+        state: RunState,
+        roster: PodRoster,
+        clients: WorkerClients,
+        pool: ThreadPoolExecutor,
+        train_phase: TrainPhase,
+        weights: WeightSync,
+    ) -> None:
+        self.state = state
+        self.roster = roster
+        self.clients = clients
+        self._pool = pool
+        self.train_phase = train_phase
+        self.weights = weights
+        self.joining: set[str] = set()
+        """Pods whose trainer is behind the run's version: they heal in this step's Train and
+        their generator is synced after it (read by the weight sync)."""
+        self.generating: list[Pod] = []
+        """The pods whose generators generate, as of the last align (async mode's producer
+        reads it)."""
+        self._replicas: dict[str, str] = {}
+        """Pod id → the incarnation of its trainer process last sent a Train (a torchft
+        replica heartbeating to the Lighthouse)."""
+        self._seen: dict[str, Pod] = {}
+        """Each pod as last admitted: a pod whose processes changed gets new channels."""
+        self._synced: dict[str, tuple[Pod, int]] = {}
+        """Pod id → (the pod, the version) of each sync that succeeded since the last align:
+        its trainer published that version and its generator applied it, so the next align
+        need not ask them again (one align reads and clears it: a retry's align asks all)."""
+        train_phase.on_lost = self.trainer_lost
+
+    # -- what the loop reads ---------------------------------------------------------------------
+    def lead(self) -> Pod:
+        """The pod whose trainer writes checkpoints and answers for the run at resume: the
+        first (by ordinal) that is not still joining."""
+        pods = self.roster.pods() or self.roster.admit()
+        ready = [pod for pod in pods if pod.id not in self.joining]
+        if not ready:
+            raise StepFailedError("train", "no healthy trainer is registered")
+        return ready[0]
+
+    def lost(self, pod: Pod) -> bool:
+        return not self.roster.usable(pod)
+
+    def trainer_lost(self, pod_id: str, reason: str) -> None:
+        """A pod whose trainer stopped answering mid-step leaves; it comes back (and heals)
+        when its trainer heartbeats or registers again."""
+        for pod in self.roster.pods():
+            if pod.id == pod_id:
+                self.state.registry.mark_unreachable(pod.trainer)
+        self.roster.drop(pod_id, reason)
+
+    def train_set(self) -> dict[str, str]:
+        """Pod id → trainer address of every trainer this step's Train goes to: each healthy
+        trainer of the roster's pods, and every other healthy trainer process that has trained
+        in this run (a pod that lost its generator or grader mid-step, say). torchft's
+        Lighthouse counts the trainers that heartbeat to it (from their first Train on), and
+        one that is not sent a step holds the others' quorum until its timeout
+        (docs/scaling.md, "Trainers across pods"); an empty share is fine. A trainer that is
+        draining or gone is left out (its pod leaves the roster)."""
+        healthy = self.state.registry.healthy_members(controller_pb2.COMPONENT_TRAINER)
+        terminating = self.roster.terminating()
+        trainers: dict[str, str] = {}
+        for pod in self.roster.pods():
+            member = healthy.get(pod.id)
+            if member is None or member.incarnation != pod.incarnations[0] or pod.id in terminating:
+                self.roster.drop(pod.id, "its trainer is draining, terminating or gone")
+            else:
+                trainers[pod.id] = pod.trainer
+        for pod_id, member in healthy.items():
+            if self._replicas.get(pod_id) == member.incarnation and pod_id not in terminating:
+                trainers.setdefault(pod_id, member.address)
+        for pod_id in trainers:
+            self._replicas[pod_id] = healthy[pod_id].incarnation
+        return {pod_id: trainers[pod_id] for pod_id in sorted(trainers, key=pod_order)}
+
+    # -- what the weight sync tells it -----------------------------------------------------------
+    def synced(self, pod: Pod, version: int) -> None:
+        """``pod``'s trainer published ``version`` and its generator applied it."""
+        self._synced[pod.id] = (pod, version)
+
+    def trained(self, pod_ids: set[str]) -> None:
+        """These pods' trainers hold the step's version: none of them is joining any more."""
+        self.joining -= pod_ids
+
+    # -- the boundary itself ---------------------------------------------------------------------
+    def _trainer_versions(self, pods: list[Pod]) -> dict[str, int]:
+        """Each pod's trainer version (Info); a pod whose trainer does not answer leaves."""
+        infos = settle(
+            self._pool, [lambda p=p: self.train_phase.trainer_info(p.trainer) for p in pods]
+        )
+        versions = {}
+        for pod, info in zip(pods, infos, strict=True):
+            if isinstance(info, trainer_pb2.TrainerInfo):
+                versions[pod.id] = info.policy_version
+            else:
+                self.state.registry.mark_unreachable(pod.trainer)
+                self.roster.drop(pod.id, f"trainer {pod.trainer} does not answer Info")
+        return versions
+
+    def align(self, expected: int) -> list[Pod]:
+        """A step boundary: admit the pods, tell the joining ones (their trainer is behind and
+        heals from a peer inside its first Train; their generator is synced after it), and
+        bring every other pod's generator to ``expected``. The pods that generate."""
+        pods = self.roster.admit()
+        if not pods:
+            raise StepFailedError("align", "no complete, healthy worker pod is registered")
+        for pod in pods:
+            before = self._seen.get(pod.id)
+            if before is not None and before != pod:  # a process restarted: fresh channels
+                for address in {before.trainer, before.generator, before.grader}:
+                    self.clients.forget(address)
+            self._seen[pod.id] = pod
+        synced, self._synced = self._synced, {}
+        settled = {pod.id for pod in pods if synced.get(pod.id) == (pod, expected)}
+        versions = self._trainer_versions([pod for pod in pods if pod.id not in settled])
+        versions |= dict.fromkeys(settled, expected)
+        ahead = {pod: v for pod, v in versions.items() if v > expected}
+        if ahead:
+            raise RunFailedError(
+                f"the trainers of pods {sorted(ahead)} are at policy versions "
+                f"{sorted(set(ahead.values()))}, ahead of the run's {expected}; restart the run "
+                "to resume from its records and checkpoints"
+            )
+        self.roster.note_versions(versions, expected)
+        self.joining = {pod for pod, v in versions.items() if v < expected}
+        ready = [pod for pod in self.roster.pods() if pod.id not in self.joining]
+        if not ready and versions:
+            pod, version = next(iter(versions.items()))
+            raise RunFailedError(
+                f"the trainer of pod {pod} is at policy version {version} (expected {expected})"
+                f" and no trainer holds version {expected} to heal it from; restart the run to "
+                "resume from its records and checkpoints"
+            )
+        if self.joining:
+            log.info(
+                "pods %s join at version %d: their trainers heal from a peer in this step's Train",
+                sorted(self.joining),
+                expected,
+            )
+        # A generator that restarted, or missed a sync while it was unreachable, is brought
+        # to the trainer's version first: its samples would be refused otherwise.
+        unsettled = [pod for pod in ready if pod.id not in settled]
+        outcomes = settle(
+            self._pool,
+            [lambda p=p: self.weights.bring_generator_to(p, expected) for p in unsettled],
+        )
+        for pod, outcome in zip(unsettled, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, StepFailedError) or not self.lost(pod):
+                    raise outcome
+                self.roster.drop(pod.id, f"align: {outcome}")
+        self.generating = [pod for pod in self.roster.pods() if pod.id not in self.joining]
+        return self.generating
