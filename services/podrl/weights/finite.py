@@ -1,14 +1,16 @@
 """One cheap check that a set of tensors holds no NaN and no infinity.
 
-Per (device, dtype) group, one multi-tensor max-magnitude reduction (``torch._foreach_norm``
-with ``inf``: NaN propagates through it, and a max never overflows the way a sum of squares
-would); only when a group's result is not finite are its tensors looked at one by one, to name
-one. The trainer runs it before it publishes, the generator's receiver before it copies.
+Per (device, dtype) group, one multi-tensor L2 norm (``torch._foreach_norm``): a sum of squares
+propagates NaN and infinity and cannot cancel them, so a finite result means every element is
+finite. Only when a group's result is not finite are its tensors looked at one by one, to name
+one; finite values so large that their squares overflow are found finite there. On CPU the L2
+norm is about ten times faster than the max-magnitude (``inf``) norm or ``isfinite`` over the
+same tensors (0.2 against 2.0 ms for the tiny model's 25 parameters). The trainer runs it before
+it publishes, the generator's receiver before it copies.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -22,8 +24,10 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
             groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
     for group in groups.values():
         with torch.no_grad():
-            largest = torch.stack(torch._foreach_norm([t for _, t in group], math.inf))
-            if bool(torch.isfinite(largest.float().sum())):
+            norms = torch.stack(torch._foreach_norm([t for _, t in group], 2.0))
+            if bool(torch.isfinite(norms.float().sum())):
                 continue
-            return next(name for name, t in group if not bool(torch.isfinite(t).all()))
+            bad = next((name for name, t in group if not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                return bad
     return None
