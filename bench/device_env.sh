@@ -18,3 +18,5 @@ elif [ ! -f "$PODRL_SITE/.podrl-wheels" ]; then
 fi
 export PYTHONPATH="services:$PODRL_SITE:.${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
+# PODRL_* variables are run-config overrides: this one only named the folder above.
+unset PODRL_SITE
