@@ -24,12 +24,10 @@ from podrl.controller.resume import (
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.roster import PodRoster
 from podrl.controller.run_store import RunStore
 from podrl.controller.status import RunState
 from podrl.controller.step_boundary import StepBoundary
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
-from podrl.controller.train_phase import TrainPhase
 from podrl.tasks import TaskSource
 from podrl.v1 import trainer_pb2
 
@@ -45,9 +43,7 @@ class RunCheckpoints:
         clients: WorkerClients,
         source: TaskSource,
         recorder: StepRecorder,
-        roster: PodRoster,
         boundary: StepBoundary,
-        train_phase: TrainPhase,
     ) -> None:
         self.config = config
         self.state = state
@@ -55,9 +51,7 @@ class RunCheckpoints:
         self.clients = clients
         self.source = source
         self.recorder = recorder
-        self.roster = roster
-        self.boundary = boundary
-        self.train_phase = train_phase
+        self.boundary = boundary  # the lead pod; its roster and Train phase answer resume
 
     def save(self, position: dict[str, Any]) -> str:
         """A checkpoint of the lead trainer, with the controller's step, version and the task
@@ -85,10 +79,11 @@ class RunCheckpoints:
         version it loads, or they would be taken for the newest replica. Generators are
         brought to the trainers' version (rolled back when ahead) and the trainers acknowledged
         by the first step's align."""
-        pods = self.roster.admit()
+        pods = self.boundary.roster.admit()
         if not pods:
             raise RunFailedError("no complete, healthy worker pod to resume the run with")
-        infos = {pod.id: self.train_phase.trainer_info(pod.trainer) for pod in pods}
+        trainer_info = self.boundary.train_phase.trainer_info
+        infos = {pod.id: trainer_info(pod.trainer) for pod in pods}
         answering = [pod for pod in pods if infos[pod.id] is not None]
         if not answering:
             raise RunFailedError(f"trainer {pods[0].trainer} does not answer Info")

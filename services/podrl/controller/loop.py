@@ -127,18 +127,11 @@ class GrpoLoop:
         self.boundary = StepBoundary(
             state, self.roster, clients, self._pool, self.train_phase, self.weights
         )
+        self.train_phase.on_lost = self.boundary.trainer_lost  # a trainer lost mid-Train
         self.recorder = StepRecorder(config, state, store)
         self.evaluator = Evaluator(config)  # held-out prompts, drawn apart from self.source
         self.checkpoints = RunCheckpoints(
-            config,
-            state,
-            store,
-            clients,
-            source,
-            self.recorder,
-            self.roster,
-            self.boundary,
-            self.train_phase,
+            config, state, store, clients, source, self.recorder, self.boundary
         )
         # Batch ids name this controller process too: one restarted never reuses an id that
         # a trainer may still hold as its last applied batch.

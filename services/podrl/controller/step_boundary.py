@@ -63,7 +63,6 @@ class StepBoundary:
         """Pod id → (the pod, the version) of each sync that succeeded since the last align:
         its trainer published that version and its generator applied it, so the next align
         need not ask them again (one align reads and clears it: a retry's align asks all)."""
-        train_phase.on_lost = self.trainer_lost
 
     # -- what the loop reads ---------------------------------------------------------------------
     def lead(self) -> Pod:
