@@ -1,4 +1,5 @@
-# Source on the CUDA machine from the repository root: `source bench/device_env.sh`.
+# Source on the CUDA machine from the repository root: `source bench/device_env.sh`
+# (.device-wheels/ is built here by `bash bench/device_wheels.sh`).
 # Installs the pure-Python wheels the machine lacks (pydantic, python-json-logger, grpcio 1.85
 # for our generated stubs, the controller's and CLI's packages; carried in .device-wheels/)
 # into a private folder, again whenever the carried set changes, and puts it FIRST on

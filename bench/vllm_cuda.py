@@ -142,6 +142,45 @@ class CheckingWorkerExtension(PodrlWorkerExtension):
             "bytes": sum(p.numel() * p.element_size() for p in params.values()),
         }
 
+    def podrl_bench_anatomy(self, action: str) -> Any:
+        """Time this worker's applies part by part (bench/apply_anatomy.py): ``start``,
+        ``stop`` (returns the medians), ``profile_next`` (the next apply runs under
+        torch.profiler), ``profile_result`` (its ops table)."""
+        from bench import apply_anatomy
+
+        if action == "start":
+            self._bench_times = apply_anatomy.CallTimes()
+            apply_anatomy.wrap_worker_side(self._bench_times)
+            return None
+        if action == "stop":
+            times, self._bench_times = self._bench_times, None
+            times.undo()
+            return times.medians_ms()
+        if action == "profile_next":
+            self._bench_profile: str | None = None
+            self._bench_profile_next = True
+            return None
+        return self._bench_profile
+
+    def podrl_apply_manifest(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from bench import apply_anatomy
+
+        def apply() -> dict[str, Any]:
+            return super(CheckingWorkerExtension, self).podrl_apply_manifest(*args, **kwargs)
+
+        if getattr(self, "_bench_profile_next", False):
+            self._bench_profile_next = False
+            reply, self._bench_profile = apply_anatomy.profile_table(apply)
+            return reply
+        times = getattr(self, "_bench_times", None)
+        if times is None:
+            return apply()
+        started = time.perf_counter()
+        try:
+            return apply()
+        finally:
+            times.seconds["worker.podrl_apply_manifest"].append(time.perf_counter() - started)
+
     def podrl_bench_pointers(self) -> dict[str, int]:
         """Each parameter's storage address: unchanged after an apply = written in place."""
         return {n: p.data_ptr() for n, p in self.model_runner.get_model().named_parameters()}
@@ -736,6 +775,13 @@ def measure_sync(pod: Pod, label: str) -> None:
     }
 
 
+def record_apply_anatomy(pod: Pod, label: str) -> None:
+    """Where the sync's time goes, part by part (bench/apply_anatomy.py)."""
+    from bench.apply_anatomy import measure_apply_anatomy
+
+    pod.results.measured.setdefault("apply_anatomy", {})[label] = measure_apply_anatomy(pod)
+
+
 def measure_steps(pod: Pod, steps: int = 2) -> None:
     """GRPO-shaped steps through the services: Generate → (Sleep) → Train → (WakeUp) → sync.
     ``colocated``: the generator sleeps (level 1) while the trainer steps; ``static``: both stay
@@ -904,6 +950,13 @@ def _run_pod(opts: Options, shape: dict[str, Any], results: Results) -> None:
                         lambda: measure_sync(pod, opts.shape),
                         30,
                     )
+                    _phase(
+                        results,
+                        opts,
+                        f"apply anatomy {opts.shape}",
+                        lambda: record_apply_anatomy(pod, opts.shape),
+                        20,
+                    )
                     _phase(results, opts, "steps", lambda: measure_steps(pod), 70)
         finally:
             results.facts["trainer_log_tail"] = _tail(trainer_log, 30)
@@ -937,6 +990,7 @@ def _sync_only(opts: Options, shape_name: str, results: Results) -> None:
         pod.train(pod.random_batch())
         pod.sync()  # full manifest, plan compiled
         measure_sync(pod, shape_name)
+        record_apply_anatomy(pod, shape_name)
 
 
 # ---- the table ------------------------------------------------------------------------------

@@ -42,6 +42,11 @@ pytestmark = pytest.mark.slow
 
 SEQUENCES = 8
 TOLERANCE = 1e-5
+# AdamW's epsilon for every pod here. An update is lr * g / (|g| + eps): for a gradient
+# element near zero it changes by about lr * dg / eps, and summing a batch in two pods' parts
+# instead of one rounds g differently (dg ~ 1e-10). With the default 1e-8 that is ~1e-5 (it
+# measured 1.5e-5 on one machine, under 1e-5 on another); with 1e-6, 1.4e-6.
+TRAINER = {"adam_eps": 1e-6}
 # Pod "b" stalls before its cross-pod exchange of the step from version 2 (the kill test).
 STALL = fault_plan(
     {
@@ -63,13 +68,14 @@ def lighthouse(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grpo(tiny_model, lighthouse, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cross-pod-grpo")
-    reference = start_pods(tiny_model, tmp, ["reference"], lighthouse=None)
+    reference = start_pods(tiny_model, tmp, ["reference"], lighthouse=None, **TRAINER)
     pods = start_pods(
         tiny_model,
         tmp,
         ["pod-a", "pod-b"],
         lighthouse=lighthouse.address,
         extra_env={"pod-b": STALL},
+        **TRAINER,
     )
     everyone = {**reference, **pods}
     yield everyone, tmp
@@ -194,7 +200,7 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     everyone, tmp = grpo
     reference, a = everyone["reference"], everyone["pod-a"]
     assert a.info().policy_version == 3  # after the previous tests
-    c = start_pods(tiny_model, tmp, ["pod-c"], lighthouse=lighthouse.address)["pod-c"]
+    c = start_pods(tiny_model, tmp, ["pod-c"], lighthouse=lighthouse.address, **TRAINER)["pod-c"]
     everyone["pod-c"] = c  # the fixture stops it
     assert c.info().policy_version == 0
     # Until its first Train a pod does not heartbeat: it cannot hold up the others' quorums.
@@ -232,6 +238,7 @@ def dapo(tiny_model, tmp_path):
         tmp_path,
         ["dapo-reference", "dapo-a", "dapo-b"],
         lighthouse=None,
+        **TRAINER,
         extra_env={
             "dapo-a": {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address},
             # Pod b fails after the exchange of the step from version 1 (before its commit).
@@ -315,6 +322,7 @@ def test_pods_of_two_ranks_train_and_heal_rank_by_rank(tiny_model, tmp_path):
                 ["wide-reference", "wide-a"],
                 lighthouse=None,
                 dp_shard=2,
+                **TRAINER,
                 extra_env={
                     "wide-a": {"PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": lighthouse.address}
                 },
@@ -327,7 +335,14 @@ def test_pods_of_two_ranks_train_and_heal_rank_by_rank(tiny_model, tmp_path):
             reference.stub.Train(batch, timeout=180),
         )
         pods.update(
-            start_pods(tiny_model, tmp_path, ["wide-b"], lighthouse=lighthouse.address, dp_shard=2)
+            start_pods(
+                tiny_model,
+                tmp_path,
+                ["wide-b"],
+                lighthouse=lighthouse.address,
+                dp_shard=2,
+                **TRAINER,
+            )
         )
         b = pods["wide-b"]
         batch = make_request(32, sequences=SEQUENCES, version=1)
