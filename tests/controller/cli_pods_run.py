@@ -27,11 +27,22 @@ from podrl.models.tiny import make_tiny_model
 from podrl.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.foundation.run_secret import credentials
 
-#: Every trainer waits a moment before its gradients cross pods, so the SIGKILL of one lands
-#: before the exchange: the others then answer ABORTED and the step is sent again, re-split.
-HOLD = [
-    {"point": "trainer.before_cross_pod_allreduce", "action": "delay", "seconds": 1.5, "times": 0}
-]
+
+def hold(while_file: Path) -> list[dict[str, Any]]:
+    """Every trainer waits a moment before its gradients cross pods, while ``while_file``
+    exists, so the SIGKILL of one lands before the exchange: the others then answer ABORTED and
+    the step is sent again, re-split. Deleting the file ends the waits."""
+    return [
+        {
+            "point": "trainer.before_cross_pod_allreduce",
+            "action": "delay",
+            "seconds": 1.5,
+            "times": 0,
+            "while_file": str(while_file),
+        }
+    ]
+
+
 GROUP = 4
 
 
@@ -136,7 +147,11 @@ def service_pid(launcher: int, service: str, pod: str) -> int:
 class Run:
     """The `podrl run` process and what the test watches of it."""
 
-    def __init__(self, config: Path, run_dir: Path, log: Path, pods: int = 1) -> None:
+    def __init__(
+        self, config: Path, run_dir: Path, log: Path, *, gate: Path, pods: int = 1
+    ) -> None:
+        """``gate``: while this file exists the trainers stall before their cross-pod
+        exchange (:func:`hold`) and the test's paced reward is slow."""
         self.run_dir = run_dir
         self.log = log
         with open(log, "wb") as out:
@@ -144,7 +159,7 @@ class Run:
                 [sys.executable, "-m", "podrl.cli", "run", str(config), "--pods", str(pods)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "COLUMNS": "200", "PODRL_FAULTS": json.dumps(HOLD)},
+                env={**os.environ, "COLUMNS": "200", "PODRL_FAULTS": json.dumps(hold(gate))},
             )
         self.url: str | None = None
         self.pids: set[int] = set()

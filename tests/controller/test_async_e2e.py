@@ -65,7 +65,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     gate = tmp_path / "slow-steps"
     gate.touch()  # slow steps until the scenario is done
     config, run_dir = _config(tmp_path, gate)
-    run = Run(config, run_dir, tmp_path / "podrl-run.log", pods=2)
+    run = Run(config, run_dir, tmp_path / "podrl-run.log", gate=gate, pods=2)
     observed: dict[str, Any] = {}
     try:
         in_train = run.wait(

@@ -4,7 +4,8 @@
 generator, a grader and a trainer). During the run: scaled to 2 pods by ``PUT
 /v1/workers/replicas`` during a generate phase, later to 3; one pod's trainer SIGKILLed in a
 train phase (the launcher starts it again and it heals back in); then scaled down to 1 (the two
-highest pods drain on SIGTERM). While pods start, a reward gate slows the steps down so the run
+highest pods drain on SIGTERM). While pods start, a gate file slows the steps down (a paced reward,
+and a hold of each trainer before its cross-pod exchange) so the run
 does not end before the scenario does.
 
 Checked: the run finishes; every step is trained exactly once; no prompt is lost and none is
@@ -59,7 +60,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     gate = tmp_path / "slow-steps"
     gate.touch()  # slow steps while pods start
     config, run_dir = _config(tmp_path, gate)
-    run = Run(config, run_dir, tmp_path / "podrl-run.log")
+    run = Run(config, run_dir, tmp_path / "podrl-run.log", gate=gate)
     observed: dict[str, Any] = {"run_dir": run_dir}
     try:
         run.wait(lambda s: s.get("phase") == "generate", 400, "the first generate phase")

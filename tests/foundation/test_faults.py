@@ -31,6 +31,21 @@ def test_delay_rule_stalls_the_caller():
     assert time.monotonic() - started >= 0.2
 
 
+def test_a_rule_with_a_while_file_triggers_only_while_the_file_exists(tmp_path):
+    gate = tmp_path / "gate"
+    faults.reset(f'[{{"point": "p", "times": 2, "while_file": "{gate}"}}]')
+    faults.hit("p")  # no file: not counted either
+    gate.touch()
+    with pytest.raises(faults.InjectedFaultError):
+        faults.hit("p")
+    gate.unlink()
+    faults.hit("p")
+    gate.touch()
+    with pytest.raises(faults.InjectedFaultError):  # the second of its two times
+        faults.hit("p")
+    faults.hit("p")  # times exhausted
+
+
 @pytest.mark.parametrize(
     ("plan", "message"),
     [

@@ -10,6 +10,8 @@ and what happens there:
 - ``action``: ``"raise"`` (raise :class:`InjectedFaultError`) or ``"delay"`` (sleep ``seconds``).
 - ``times``: how many hits of the point trigger the rule in this process (default 1; 0 = every).
 - ``skip``: hits to let through before the rule starts triggering (default 0).
+- ``while_file``: the rule triggers only while this file exists (a test lifts a stall by
+  deleting it); hits while it is absent are not counted.
 - any other key (``rank``, ``version``, ...) must equal the keyword of the same name that the
   code passes to :func:`hit`, so one rule can target one rank or one version.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 ENV_VAR = "PODRL_FAULTS"
 _ACTIONS = ("raise", "delay")
-_RULE_KEYS = ("point", "action", "times", "skip", "seconds")
+_RULE_KEYS = ("point", "action", "times", "skip", "seconds", "while_file")
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,14 @@ class _Rule:
     times: int = 1
     skip: int = 0
     seconds: float = 0.0
+    while_file: str | None = None
     match: dict[str, Any] = field(default_factory=dict)
     seen: int = 0
     fired: int = 0
 
     def applies(self, context: dict[str, Any]) -> bool:
+        if self.while_file is not None and not os.path.exists(self.while_file):
+            return False
         return all(context.get(key) == value for key, value in self.match.items())
 
 
@@ -75,6 +80,7 @@ def parse(text: str) -> list[_Rule]:
                 times=int(item.get("times", 1)),
                 skip=int(item.get("skip", 0)),
                 seconds=float(item.get("seconds", 0.0)),
+                while_file=item.get("while_file"),
                 match={k: v for k, v in item.items() if k not in _RULE_KEYS},
             )
         )
