@@ -239,6 +239,8 @@ class FakeReplicaGroup:
         mid-step)."""
         self.quorums: list[list[str]] = []
         """The batch ids of every quorum that filled, in order."""
+        self.cancelled: list[str] = []
+        """The batch ids of Train calls whose caller cancelled them while the quorum waited."""
 
     def step(self, trainer: FakeTrainer, request: trainer_pb2.TrainRequest, context: Any) -> None:
         with self._cond:
@@ -252,9 +254,17 @@ class FakeReplicaGroup:
                 quorum.closed = True
                 self.quorums.append(sorted(r.batch_id for r in quorum.requests.values()))
                 self._cond.notify_all()
-            if not self._cond.wait_for(lambda: quorum.closed, self.quorum_timeout):
+            # Re-checked every 50 ms: a caller that cancels ends the wait (as the real trainer's
+            # quorum loop does, trainer/replication.py), with nothing stepped.
+            deadline = time.monotonic() + self.quorum_timeout
+            while not quorum.closed and context.is_active() and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            if not quorum.closed:
                 quorum.members.remove(trainer)
                 del quorum.requests[id(trainer)]
+                if not context.is_active():
+                    self.cancelled.append(request.batch_id)
+                    context.abort(grpc.StatusCode.CANCELLED, "the caller cancelled this Train")
                 context.abort(grpc.StatusCode.ABORTED, "the quorum of the step's pods never filled")
         lead = max(quorum.members, key=lambda t: t.version)
         if trainer.version < lead.version:  # heal from the most advanced peer

@@ -17,7 +17,7 @@ from podrl.controller.clients import WorkerClients
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 from podrl.controller.train_phase import TrainPhase, Verdict, judge_train_failure
 from podrl.v1 import trainer_pb2
-from tests.controller.fake_workers import FakePod, TrainFault
+from tests.controller.fake_workers import FakePod, FakeReplicaGroup, TrainFault
 
 Code = grpc.StatusCode
 DEADLINE = 0.5
@@ -174,3 +174,48 @@ def test_a_version_advanced_by_another_batch_fails_the_run_once_the_sends_are_us
         phase.train(pod.address, _request())
     assert pod.trainer.applied == []
     assert pod.trainer.received == ["run:abc:4:1"] * 3
+
+
+def test_a_pod_lost_before_its_quorum_has_its_peers_calls_cancelled_and_the_step_re_split(
+    tmp_path: Path,
+) -> None:
+    # The quorum would wait a minute for the lost pod, and the calls' deadline is longer: only
+    # the controller's cancellation ends the peer's wait early.
+    group = FakeReplicaGroup(quorum_timeout=60)
+    pods = {name: FakePod(tmp_path / name, name, group=group) for name in ("pod-0", "pod-1")}
+    pods["pod-1"].kill()  # lost before its Train: it answers neither Train nor Info
+    sequences = [
+        trainer_pb2.TrainSequence(sample_id=f"p#{i}", completion_ids=[1]) for i in range(4)
+    ]
+
+    def requests_for(names: list[str], round_no: int) -> dict[str, trainer_pb2.TrainRequest]:
+        share = len(sequences) // len(names)
+        return {
+            name: trainer_pb2.TrainRequest(
+                sequences=sequences[i * share : (i + 1) * share],
+                policy_version=0,
+                batch_id=f"run:abc:1:1.{round_no}@{name}",
+                pods=len(names),
+                global_sequences=len(sequences),
+                global_completion_tokens=len(sequences),
+            )
+            for i, name in enumerate(names)
+        }
+
+    clients = WorkerClients(GrpcConfig(long_call_timeout_seconds=120))
+    phase = TrainPhase(clients, attempts=3, backoff_seconds=0.05)
+    lost: list[str] = []
+    phase.on_lost = lambda pod, reason: lost.append(pod)
+    try:
+        outcome = phase.train_pods({n: p.address for n, p in pods.items()}, 0, requests_for)
+    finally:
+        clients.close()
+        for pod in pods.values():
+            pod.stop()
+    # pod-0 waited in the quorum for pod-1 until the controller cancelled its call.
+    assert group.cancelled == ["run:abc:1:1.1@pod-0"]
+    assert lost == ["pod-1"]
+    # Then the step went to pod-0 alone, whole, and was applied once.
+    assert outcome.sends == 2 and outcome.batch_ids == {"pod-0": "run:abc:1:1.2@pod-0"}
+    survivor = pods["pod-0"].trainer
+    assert [len(r.sequences) for r in survivor.applied] == [4] and survivor.version == 1

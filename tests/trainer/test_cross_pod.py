@@ -228,6 +228,33 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     )
 
 
+def test_a_train_cancelled_while_its_quorum_waits_for_a_lost_pod_steps_nothing(grpo):
+    everyone, _ = grpo
+    a, c = everyone["pod-a"], everyone["pod-c"]
+    before = a.digest()
+    assert before.policy_version == 4  # after the previous tests
+    c.kill()  # lost before the step: the controller's call to it fails, pod a's is cancelled
+    deadline = time.monotonic() + 60
+    waits = a.log().count("forming the quorum again")
+    batch = make_request(15, sequences=SEQUENCES, version=4)
+    call = a.stub.Train.future(share(batch, range(0, 4), "5/a", pods=2), timeout=180)
+    # Once the Lighthouse stops counting c (no heartbeat), a's quorums hold a alone and a
+    # forms them again and again, waiting for c's share.
+    while a.log().count("forming the quorum again") == waits:
+        assert time.monotonic() < deadline and not call.done(), a.log()[-3000:]
+        time.sleep(0.2)
+    call.cancel()
+    # It gives up at its next look (within a second), not at quorum_timeout_seconds (60 s).
+    cancelled = time.monotonic() + 20
+    while "the controller cancelled this Train" not in a.log():
+        assert time.monotonic() < cancelled, a.log()[-3000:]
+        time.sleep(0.2)
+    assert a.digest() == before  # nothing stepped
+    # The trainer is free for the step re-split over the pods left (here pod a, whole).
+    reply = a.stub.Train(share(batch, range(SEQUENCES), "5/a-again", pods=1), timeout=60)
+    assert reply.policy_version == 5
+
+
 @pytest.fixture
 def dapo(tiny_model, tmp_path):
     # A Lighthouse of its own: the GRPO pods still heartbeat to the module's, and a quorum

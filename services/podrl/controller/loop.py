@@ -117,7 +117,7 @@ class GrpoLoop:
         state.roster = self.roster
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
         self.phases = WorkerPhases(clients, self._pool, state.registry, self.roster)
-        self.train_phase = TrainPhase(clients, config.loop.max_step_attempts, pool=self._pool)
+        self.train_phase = TrainPhase(clients, config.loop.max_step_attempts)
         self.gate = GeneratorGate()
         """Who may use the generators; only async mode's producer contends for it."""
         asynchronous = config.loop.mode == "async"

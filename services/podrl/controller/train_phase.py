@@ -32,16 +32,22 @@ decides:
 
 After ``attempts`` sends with the outcome still unknown the run fails; the step in flight stays
 in SQLite and a restart resolves it (``podrl.controller.resume``).
+
+With several pods, a pod lost mid-step (its trainer answers neither Train nor Info, or
+restarted) has the other pods' calls cancelled: a trainer waiting for it in the step's quorum
+then gives up at once with nothing stepped (instead of at ``quorum_timeout_seconds``), and the
+step's batch is re-split over the pods left (``TrainPhase.train_pods``).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -172,13 +178,11 @@ class TrainPhase:
         attempts: int,
         stop: threading.Event | None = None,
         backoff_seconds: float = 2.0,
-        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self._clients = clients
         self._attempts = attempts
         self._backoff = backoff_seconds
         """The wait before re-send k is k times this (at most 10 s)."""
-        self._pool = pool
         self.stop = stop or threading.Event()
         """Set when the run stops: waits between re-sends end early."""
         self.on_lost: Callable[[str, str], None] = lambda pod, reason: None
@@ -323,52 +327,80 @@ class TrainPhase:
         before: dict[str, int],
         earlier: frozenset[str],
     ) -> list[_PodResult]:
-        def call(pod: str) -> _PodResult:
-            request = requests[pod]
-            address = trainers[pod]
-            result = _PodResult(pod, request)
-            try:
-                result.reply = self._clients.trainer(address).Train(
-                    request, timeout=self._clients.long
-                )
-                return result
-            except grpc.RpcError as err:
-                result.error = err
-            info = self.trainer_info(address)
-            code = result.error.code()
-            judgement = judge_train_failure(
-                code,
-                result.error.details() or "",
-                request,
-                info,
-                held_before=before.get(pod),
-                earlier_batch_ids=earlier,
-            )
-            log.warning(
-                "Train of batch %s failed with %s: %s → %s",
-                request.batch_id,
-                describe_rpc_error(result.error),
-                judgement.reason,
-                judgement.verdict.value,
-            )
-            if judgement.verdict is Verdict.APPLIED:
-                assert info is not None
-                result.reply = info.last_train
-            elif judgement.verdict is Verdict.APPLIED_METRICS_UNKNOWN:
-                assert info is not None
-                result.reply = trainer_pb2.TrainResponse(policy_version=info.policy_version)
-                result.measured = False
-            else:
-                result.judgement = judgement
-                # No answer to Info either: the trainer is gone (or out of reach) for now.
-                result.lost = judgement.restarted or info is None
-            return result
+        """Send every pod its request at once; judge each answer as it comes.
 
-        pods = list(requests)
-        if len(pods) == 1 or self._pool is None:
-            return [call(pod) for pod in pods]
-        futures = [self._pool.submit(call, pod) for pod in pods]
-        return [future.result() for future in futures]
+        A pod found lost (its trainer does not answer Info either, or restarted) gets the
+        calls of the pods still training cancelled: a peer that waits for it in the step's
+        quorum would wait ``quorum_timeout_seconds`` (120 s by default) for a pod that will not
+        come. The peer then answers with nothing stepped (the quorum cannot hold the step
+        without the lost pod's share); one already past the quorum finishes as it would, and
+        its lost reply is judged from its Info like any other (``judge_train_failure``)."""
+        calls = {
+            pod: self._clients.trainer(trainers[pod]).Train.future(
+                request, timeout=self._clients.long
+            )
+            for pod, request in requests.items()
+        }
+        answered: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for pod, call in calls.items():
+            call.add_done_callback(lambda _call, pod=pod: answered.put(pod))
+        results: dict[str, _PodResult] = {}
+        while len(results) < len(calls):
+            pod = answered.get()
+            result = results[pod] = self._judge(
+                pod, trainers[pod], requests[pod], calls[pod], before, earlier
+            )
+            if result.lost:
+                for other, call in calls.items():
+                    if other not in results and call.cancel():
+                        log.info("Train of pod %s cancelled: pod %s was lost", other, pod)
+        return [results[pod] for pod in requests]
+
+    def _judge(
+        self,
+        pod: str,
+        address: str,
+        request: trainer_pb2.TrainRequest,
+        call: Any,
+        before: dict[str, int],
+        earlier: frozenset[str],
+    ) -> _PodResult:
+        """One pod's answer (``call``: its finished Train future) as a result."""
+        result = _PodResult(pod, request)
+        try:
+            result.reply = call.result()
+            return result
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            result.error = call  # the future is the call: code() and details() of its end
+        info = self.trainer_info(address)
+        code = result.error.code()
+        judgement = judge_train_failure(
+            code,
+            result.error.details() or "",
+            request,
+            info,
+            held_before=before.get(pod),
+            earlier_batch_ids=earlier,
+        )
+        log.warning(
+            "Train of batch %s failed with %s: %s → %s",
+            request.batch_id,
+            describe_rpc_error(result.error),
+            judgement.reason,
+            judgement.verdict.value,
+        )
+        if judgement.verdict is Verdict.APPLIED:
+            assert info is not None
+            result.reply = info.last_train
+        elif judgement.verdict is Verdict.APPLIED_METRICS_UNKNOWN:
+            assert info is not None
+            result.reply = trainer_pb2.TrainResponse(policy_version=info.policy_version)
+            result.measured = False
+        else:
+            result.judgement = judgement
+            # No answer to Info either: the trainer is gone (or out of reach) for now.
+            result.lost = judgement.restarted or info is None
+        return result
 
     @staticmethod
     def _log_left_behind(result: _PodResult) -> None:

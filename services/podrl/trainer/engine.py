@@ -121,6 +121,11 @@ def _metrics(
     )
 
 
+def never_cancelled() -> bool:
+    """``TrainerEngine.train_cancelled`` outside a Train, and on ranks other than 0."""
+    return False
+
+
 class TrainerEngine:
     """See the module docstring. Build it on every rank with the same config."""
 
@@ -186,6 +191,9 @@ class TrainerEngine:
         self.train_gates: list[Callable[[], None]] = []
         # Data parallelism across pods (podrl.trainer.replication): built by the first Train.
         self.replica: CrossPodReplica | None = None
+        # On rank 0, while a Train runs: True once its caller cancelled it (the servicer sets
+        # it; a step waiting for its quorum then gives up). Always False on other ranks.
+        self.train_cancelled: Callable[[], bool] = never_cancelled
         log.info(
             "trainer rank %d/%d: %s on %s, mesh %s",
             self.env.rank,

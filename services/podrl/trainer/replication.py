@@ -458,6 +458,14 @@ class CrossPodReplica:
                 f"{int(expected[1])} completion tokens)"
                 + (f", the request names {request.pods} pods" if request.pods else "")
             )
+            # The controller cancels the call when a pod of the step is lost: the quorum
+            # cannot hold the step without that pod's share, so waiting longer is pointless.
+            if self._pod_any(self.engine.train_cancelled()):
+                self.close("the controller cancelled this Train")
+                raise ReplicaStepError(
+                    f"{missing}, and the controller cancelled this Train (a pod of the step "
+                    "was lost); no pod stepped"
+                )
             if time.monotonic() + pause > deadline:
                 self.close("the quorum never held the step's pods")
                 if refusal is not None:

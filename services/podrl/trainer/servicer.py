@@ -36,6 +36,7 @@ from podrl.trainer.engine import (
     StepAbortedError,
     TrainerEngine,
     TrainNotAllowedError,
+    never_cancelled,
 )
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -86,6 +87,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
             except TrainNotAllowedError as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            # A replicated step waiting for its quorum gives up when the controller cancels
+            # the call (a peer pod of the step was lost: docs/scaling.md).
+            self._engine.train_cancelled = lambda: not context.is_active()
             try:
                 payloads = self._loop.run(command_table.TRAIN, request.SerializeToString())
             except RankCommandError as err:
@@ -108,6 +112,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 )
                 code = grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL
                 context.abort(code, str(err))
+            finally:
+                self._engine.train_cancelled = never_cancelled
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
         reply = replies[0]
         # A guard, not a path the step is known to take: ranks must end at one step/version.
