@@ -47,7 +47,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
@@ -361,7 +360,7 @@ class TrainPhase:
         pod: str,
         address: str,
         request: trainer_pb2.TrainRequest,
-        call: Any,
+        call: grpc.Future,
         before: dict[str, int],
         earlier: frozenset[str],
     ) -> _PodResult:

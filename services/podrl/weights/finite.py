@@ -17,18 +17,25 @@ per call eagerly, of which 0.7 ms on the GPU; bench/apply_anatomy.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 
-def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The name of a tensor holding NaN or infinity, or None when every element is finite."""
+def _floating_groups(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]]:
+    """The non-empty floating-point tensors of ``named``, by (device, dtype)."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.numel() and (tensor.is_floating_point() or tensor.is_complex()):
             groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
-    for group in groups.values():
+    return groups
+
+
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of a tensor holding NaN or infinity, or None when every element is finite."""
+    for group in _floating_groups(named).values():
         with torch.no_grad():
             norms = torch.stack(torch._foreach_norm([t for _, t in group], 2.0))
             if bool(torch.isfinite(norms.float().sum())):
@@ -39,33 +46,18 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     return None
 
 
-def _finite_total(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """One 0-d bool tensor: True when every group's L2 norm (hence every element) is finite."""
-    total = torch.zeros((), dtype=torch.float32, device=groups[0][0].device)
-    for tensors in groups:
-        total = total + torch.stack(torch._foreach_norm(list(tensors), 2.0)).float().sum()
-    return torch.isfinite(total)
-
-
 class FiniteCheck:
     """:func:`first_non_finite` over a fixed list of tensors, prepared once.
 
     The tensors must stay the same objects (same storage) for the check's life; their values
-    may change between calls. On one CUDA device the first call runs eagerly and records the
-    reduction as a CUDA graph; later calls replay it. A verdict of "not finite" is confirmed and
-    named by :func:`first_non_finite` itself.
+    may change between calls. When they all lie on one CUDA device, the first call (eager)
+    also records the reduction as a CUDA graph, and later calls replay it; a verdict of "not
+    finite" is confirmed and named by :func:`first_non_finite` itself.
     """
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], *, use_graph: bool = True):
-        self._named = [
-            (name, t)
-            for name, t in named
-            if t.numel() and (t.is_floating_point() or t.is_complex())
-        ]
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for _, tensor in self._named:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-        self._groups = list(groups.values())
+        groups = _floating_groups(named)
+        self._named = [pair for group in groups.values() for pair in group]
         devices = {device for device, _ in groups}
         self._graph_wanted = use_graph and len(devices) == 1 and next(iter(devices)).type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -77,22 +69,21 @@ class FiniteCheck:
 
     def first_non_finite(self) -> str | None:
         """The name of a tensor holding NaN or infinity, or None when every element is finite."""
-        if not self._groups:
-            return None
-        with torch.no_grad():
-            if self._graph is not None:
-                self._graph.replay()
-                finite = bool(self._verdict)
-            else:
-                finite = bool(_finite_total(self._groups))
-                if self._graph_wanted:  # the first call was eager: record it for the next ones
-                    self._graph_wanted = False
-                    self._capture()
-        return None if finite else first_non_finite(self._named)
+        if self._graph is None:
+            bad = first_non_finite(self._named)
+            if self._graph_wanted:  # the first call was eager: record it for the next ones
+                self._graph_wanted = False
+                self._capture()
+            return bad
+        self._graph.replay()
+        return None if bool(self._verdict) else first_non_finite(self._named)
 
     def _capture(self) -> None:
-        device = self._groups[0][0].device
-        with torch.cuda.device(device):
+        """Record one 0-d bool tensor, True when every group's L2 norm (hence every element)
+        is finite."""
+        groups = [[t for _, t in group] for group in _floating_groups(self._named).values()]
+        device = groups[0][0].device
+        with torch.cuda.device(device), torch.no_grad():
             # A capture stream of this device (torch's default side stream belongs to whatever
             # device was current when it was first made).
             stream = torch.cuda.Stream()
@@ -100,7 +91,11 @@ class FiniteCheck:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, stream=stream):
-                    verdict = _finite_total(self._groups)
+                    total = torch.zeros((), dtype=torch.float32, device=device)
+                    for tensors in groups:
+                        norms = torch.stack(torch._foreach_norm(tensors, 2.0))
+                        total = total + norms.float().sum()
+                    verdict = torch.isfinite(total)
             except RuntimeError:  # capture unsupported here: stay eager
                 return
             torch.cuda.current_stream().wait_stream(stream)
