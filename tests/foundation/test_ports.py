@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from podrl.common.processes import free_ports
+from podrl.common.processes import ephemeral_port_range, free_ports
 
 
 @pytest.fixture
@@ -95,3 +95,15 @@ def test_a_grpc_port_another_grpc_server_serves_is_in_use(tmp_path: Path) -> Non
         )
     finally:
         other.stop(grace=None)
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    """A port from the ephemeral range can be taken by any outgoing connection before its
+    service binds it (CI saw a grader exit 2, port in use): chosen ports are below it."""
+    low, _high = ephemeral_port_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(port < low for port in ports), (ports, low)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

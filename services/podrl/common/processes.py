@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 from contextlib import ExitStack
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -22,12 +24,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+# Ports are drawn below the kernel's ephemeral range: a port the kernel hands out for bind(0)
+# is also what any process's next outgoing connection may take as its local port, and between
+# choosing a port and the service binding it (seconds, for a service that imports torch) one
+# did: CI saw a grader exit with "port in use". Outgoing connections never take a port below
+# the range, and a random draw keeps parallel test workers from choosing the same ones.
+_LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+_DRAWS_PER_PORT = 50
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (Linux default 32768-60999)."""
+    try:
+        low, high = (int(part) for part in _LOCAL_PORT_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free a moment ago (all held open while choosing)."""
+    """``count`` distinct ports that were free a moment ago (all held open while choosing),
+    drawn at random from below the ephemeral range so no outgoing connection takes one before
+    its service binds it."""
+    low = ephemeral_port_range()[0]
+    draw = random.SystemRandom()  # not the global generator: tests seed it alike in every worker
     with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for _ in range(count * _DRAWS_PER_PORT):
+            if len(ports) == count:
+                return ports
+            port = draw.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + count else 0
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
             ports.append(sock.getsockname()[1])
-        return ports
+        if len(ports) == count:
+            return ports
+        raise OSError(f"found {len(ports)} of {count} free ports on {host} below {low}")
