@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 # torch's own default thread count, read before anything changes it.
 DEFAULT_THREADS = __import__("torch").get_num_threads()
 DEMO = REPO / "examples" / "demo.yaml"
+ENDS_MARKER = "vllm-only step ends: "  # vLLM prints to stdout too
 
 
 def _load() -> dict[str, float]:
@@ -313,6 +314,85 @@ def run_in_process(config_path: Path, threads: int, args: argparse.Namespace) ->
     return row
 
 
+# -- vLLM alone: the floor of any system that generates with it ------------------------------
+
+
+def vllm_generate_only(config_path: str, multiprocessing: bool, steps: int, prompts: int) -> None:
+    """Child process body: vLLM's own offline API (``vllm.LLM``) on the same model and engine
+    sizes as podrl's generator, generating each step's prompts (same order, n samples each,
+    the same sampling) and nothing else: no scoring, training or weight update. Prints one JSON
+    line of step end times. ``multiprocessing`` is vLLM's default (its engine core in a process
+    of its own); off, the engine core runs in this process, as podrl's CPU generator runs it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from podrl.config import load_config
+    from podrl.tasks import build_task_source
+
+    torch.set_num_threads(1)  # as podrl's in-process engine core (docs/performance.md)
+    config = load_config(Path(config_path), env={})
+    gen, sampling = config.generator, config.loop.sampling
+    llm = LLM(
+        model=str(gen.model_path),
+        dtype=gen.dtype,
+        max_model_len=gen.max_model_len,
+        kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
+        max_num_seqs=gen.max_num_seqs,
+        enforce_eager=gen.enforce_eager,
+        seed=0,
+    )
+    tokenizer = llm.get_tokenizer()
+    # One-character stops that one token holds, as stop tokens (podrl's generator does this too:
+    # vLLM's stop strings turn its detokenizer on).
+    stop_ids = [tokenizer.convert_tokens_to_ids(s) for s in sampling.stop if len(s) == 1]
+    params = SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=stop_ids,
+    )
+    source = build_task_source(config.tasks)
+    ends = []
+    for _ in range(steps):
+        items = source.next_prompts(prompts)
+        llm.generate([item.prompt for item in items], params, use_tqdm=False)
+        ends.append(time.monotonic())
+    print(ENDS_MARKER + json.dumps(ends), flush=True)
+
+
+def run_vllm_only(
+    config_path: Path, multiprocessing: bool, args: argparse.Namespace
+) -> dict[str, Any]:
+    load_before = _load()
+    started = time.monotonic()
+    code = (
+        "import sys; from bench.e2e_step import vllm_generate_only; "
+        f"vllm_generate_only({str(config_path)!r}, {multiprocessing}, {args.steps}, "
+        f"{args.prompts})"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'services'}"},
+        timeout=args.timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm_only failed ({done.returncode}): {done.stderr[-3000:]}")
+    (line,) = (line for line in done.stdout.splitlines() if line.startswith(ENDS_MARKER))
+    ends = json.loads(line[len(ENDS_MARKER) :])
+    row = _summary("vllm_only", ends, [0.0] * len(ends), args)
+    del row["reward_first5"], row["reward_last10"]  # it trains nothing
+    row["engine_core"] = "separate_process" if multiprocessing else "in_process"
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    row["load_before"], row["load_after"] = load_before, _load()
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -321,7 +401,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--warm-steps", type=int, default=30, help="the demo's warm-start")
     parser.add_argument("--warm-lr", type=float, default=2e-4)
-    parser.add_argument("--systems", default="in_process,podrl", help="which to run, in order")
+    parser.add_argument(
+        "--systems", default="in_process,vllm_only,podrl", help="which to run, in order"
+    )
     parser.add_argument(
         "--threads",
         default="0,1",
@@ -353,17 +435,36 @@ def main() -> int:
                     rows.append(run_in_process(config_path, threads, args))
                     print(json.dumps(rows[-1]), flush=True)
                 continue
+            elif system == "vllm_only":
+                for multiprocessing in (False, True):
+                    rows.append(run_vllm_only(config_path, multiprocessing, args))
+                    print(json.dumps(rows[-1]), flush=True)
+                continue
             else:
-                raise SystemExit(f"--systems: unknown system {system!r} (podrl, in_process)")
+                raise SystemExit(
+                    f"--systems: unknown system {system!r} (podrl, in_process, vllm_only)"
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
     podrl = [row for row in rows if row["system"] == "podrl"]
     in_process = [row for row in rows if row["system"] == "in_process"]
-    if podrl and in_process:
+    vllm_only = [row for row in rows if row["system"] == "vllm_only"]
+    summary: dict[str, Any] = {}
+    if in_process:
         best = max(in_process, key=lambda row: row["samples_per_s"])
-        podrl[0]["speedup"] = round(podrl[0]["samples_per_s"] / best["samples_per_s"], 3)
-        podrl[0]["speedup_against_threads"] = best["torch_threads"]
-    header = f"{'system':<14} {'s/step':>7} {'samples/s':>10} {'reward first5':>14} "
+        if podrl:
+            podrl[0]["speedup"] = round(podrl[0]["samples_per_s"] / best["samples_per_s"], 3)
+            podrl[0]["speedup_against_threads"] = best["torch_threads"]
+        if vllm_only:
+            # What a system that generates with vLLM could reach at best: vLLM's generation
+            # alone, with nothing else in the step, over the in-process loop's whole step.
+            fastest = max(vllm_only, key=lambda row: row["samples_per_s"])
+            summary["vllm_generation_ceiling"] = round(
+                fastest["samples_per_s"] / best["samples_per_s"], 3
+            )
+            for row in vllm_only:
+                row["speedup"] = round(row["samples_per_s"] / best["samples_per_s"], 3)
+    header = f"{'system':<22} {'s/step':>7} {'samples/s':>10} {'reward first5':>14} "
     print("\n" + header + f"{'last10':>7} {'speedup':>8} {'load 1m before/after':>21}")
     for row in rows:
         speedup = f"{row['speedup']:.2f}x" if "speedup" in row else ""
@@ -371,14 +472,24 @@ def main() -> int:
         name = row["system"]
         if "torch_threads" in row:
             name += f" ({row['torch_threads']}t)"
+        if "engine_core" in row:
+            name += f" ({row['engine_core']})"
+        first5 = f"{row['reward_first5']:.3f}" if "reward_first5" in row else "-"
+        last10 = f"{row['reward_last10']:.3f}" if "reward_last10" in row else "-"
         print(
-            f"{name:<14} {row['s_per_step']:>7.3f} {row['samples_per_s']:>10.1f} "
-            f"{row['reward_first5']:>14.3f} {row['reward_last10']:>7.3f} {speedup:>8} {load:>21}"
+            f"{name:<22} {row['s_per_step']:>7.3f} {row['samples_per_s']:>10.1f} "
+            f"{first5:>14} {last10:>7} {speedup:>8} {load:>21}"
+        )
+    if "vllm_generation_ceiling" in summary:
+        print(
+            f"vLLM's generation alone reaches {summary['vllm_generation_ceiling']:.2f}x the "
+            "in-process loop's samples/s: the most any system generating with it could"
         )
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,
+        **summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

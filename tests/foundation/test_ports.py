@@ -107,3 +107,10 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_a_process_never_offers_the_same_port_twice() -> None:
+    """A service given a port may still be importing torch when the next one is chosen (CI: a
+    trainer found its port taken): the ports a process offers are all different."""
+    offered = [port for _ in range(500) for port in free_ports(1)]
+    assert len(set(offered)) == len(offered)

@@ -24,14 +24,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-# Ports are drawn below the kernel's ephemeral range: a port the kernel hands out for bind(0)
+# Ports are chosen below the kernel's ephemeral range: a port the kernel hands out for bind(0)
 # is also what any process's next outgoing connection may take as its local port, and between
 # choosing a port and the service binding it (seconds, for a service that imports torch) one
 # did: CI saw a grader exit with "port in use". Outgoing connections never take a port below
-# the range, and a random draw keeps parallel test workers from choosing the same ones.
+# the range. Each process walks that range from a random place, one port after another, so it
+# never offers a port it offered before (a service still starting on it) and two processes
+# choosing at once (parallel test workers) meet only if their walks cross at that moment; a
+# random draw per port collided in CI within a few hundred choices.
 _LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000
-_DRAWS_PER_PORT = 50
+_TRIES_PER_PORT = 50
+_next_port: list[int] = []  # this process's walk: the next port to offer (set on first use)
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -43,24 +47,33 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _walk(low: int) -> int:
+    """The next port of this process's walk through [_LOWEST_PORT, low)."""
+    if not _next_port:
+        _next_port.append(random.SystemRandom().randrange(_LOWEST_PORT, low))
+    port = _next_port[0]
+    _next_port[0] = port + 1 if port + 1 < low else _LOWEST_PORT
+    return port
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports that were free a moment ago (all held open while choosing),
-    drawn at random from below the ephemeral range so no outgoing connection takes one before
-    its service binds it."""
+    from below the ephemeral range so no outgoing connection takes one before its service
+    binds it, and none this process offered before."""
     low = ephemeral_port_range()[0]
-    draw = random.SystemRandom()  # not the global generator: tests seed it alike in every worker
+    if low <= _LOWEST_PORT + _TRIES_PER_PORT * count:  # an unusual range: let the kernel pick
+        low = 0
     with ExitStack() as stack:
         ports: list[int] = []
-        for _ in range(count * _DRAWS_PER_PORT):
+        for _ in range(count * _TRIES_PER_PORT):
             if len(ports) == count:
-                return ports
-            port = draw.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + count else 0
+                break
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
-                sock.bind((host, port))
+                sock.bind((host, _walk(low) if low else 0))
             except OSError:
                 continue
             ports.append(sock.getsockname()[1])
-        if len(ports) == count:
-            return ports
-        raise OSError(f"found {len(ports)} of {count} free ports on {host} below {low}")
+        if len(ports) < count:
+            raise OSError(f"found {len(ports)} of {count} free ports on {host} below {low}")
+        return ports
