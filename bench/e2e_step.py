@@ -21,6 +21,13 @@ draw the same prompts in the same order (the demo's task source, built from the 
   logprobs are the detached new ones (ratio 1). It runs once per ``--threads`` entry (torch's
   default, and 1 thread: on a loaded 2-core machine one thread is several times faster);
   podrl's ``speedup`` is against the fastest of them.
+* ``vllm_only``: vLLM's own offline API (``vllm.LLM``, same model, dtype and engine sizes as
+  podrl's generator, one intra-op thread) generating the same prompts with the same sampling
+  (the newline as a stop token), and nothing else: no rewards, training or weights. Once with
+  vLLM's default (its engine core in a process of its own), once with the engine core in the
+  calling process (what podrl's CPU generator does). Its ``speedup`` over the in-process loop,
+  and ``vllm_generation_ceiling`` (the faster of the two), bound what any system that generates
+  with vLLM can reach on this workload.
 
 Timed the same way for both: from the end of step 1 to the end of step N (``s_per_step`` =
 that span / (N - 1)); ``samples_per_s`` = prompts x group / ``s_per_step``. ``reward_first5``
@@ -464,7 +471,7 @@ def main() -> int:
             )
             for row in vllm_only:
                 row["speedup"] = round(row["samples_per_s"] / best["samples_per_s"], 3)
-    header = f"{'system':<22} {'s/step':>7} {'samples/s':>10} {'reward first5':>14} "
+    header = f"{'system':<28} {'s/step':>7} {'samples/s':>10} {'reward first5':>14} "
     print("\n" + header + f"{'last10':>7} {'speedup':>8} {'load 1m before/after':>21}")
     for row in rows:
         speedup = f"{row['speedup']:.2f}x" if "speedup" in row else ""
@@ -477,7 +484,7 @@ def main() -> int:
         first5 = f"{row['reward_first5']:.3f}" if "reward_first5" in row else "-"
         last10 = f"{row['reward_last10']:.3f}" if "reward_last10" in row else "-"
         print(
-            f"{name:<22} {row['s_per_step']:>7.3f} {row['samples_per_s']:>10.1f} "
+            f"{name:<28} {row['s_per_step']:>7.3f} {row['samples_per_s']:>10.1f} "
             f"{first5:>14} {last10:>7} {speedup:>8} {load:>21}"
         )
     if "vllm_generation_ceiling" in summary:
