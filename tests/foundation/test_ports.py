@@ -4,6 +4,7 @@ probe). Each service runs as its own process, as `podrl up` and the images start
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -114,3 +115,19 @@ def test_a_process_never_offers_the_same_port_twice() -> None:
     trainer found its port taken): the ports a process offers are all different."""
     offered = [port for _ in range(500) for port in free_ports(1)]
     assert len(set(offered)) == len(offered)
+
+
+def test_a_forked_child_walks_its_own_ports() -> None:
+    """A child forked after its parent chose ports does not offer the parent's next ones."""
+    free_ports(1)  # the parent's walk has started
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its next ports, to the parent
+        os.close(read)
+        os.write(write, json.dumps(free_ports(4)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_ports = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    assert not set(child_ports) & set(free_ports(4)), child_ports

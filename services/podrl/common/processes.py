@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -36,6 +38,9 @@ _LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000
 _TRIES_PER_PORT = 50
 _next_port: list[int] = []  # this process's walk: the next port to offer (set on first use)
+_walk_lock = threading.Lock()  # two threads choosing at once never take the same step
+# A forked child starts a walk of its own rather than repeating its parent's next ports.
+os.register_at_fork(after_in_child=_next_port.clear)
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -49,11 +54,12 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 def _walk(low: int) -> int:
     """The next port of this process's walk through [_LOWEST_PORT, low)."""
-    if not _next_port:
-        _next_port.append(random.SystemRandom().randrange(_LOWEST_PORT, low))
-    port = _next_port[0]
-    _next_port[0] = port + 1 if port + 1 < low else _LOWEST_PORT
-    return port
+    with _walk_lock:
+        if not _next_port:
+            _next_port.append(random.SystemRandom().randrange(_LOWEST_PORT, low))
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < low else _LOWEST_PORT
+        return port
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
