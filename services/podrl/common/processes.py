@@ -65,7 +65,8 @@ def _walk(low: int) -> int:
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports that were free a moment ago (all held open while choosing),
     from below the ephemeral range so no outgoing connection takes one before its service
-    binds it, and none this process offered before."""
+    binds it, and none this process offered before (until its walk comes round, 22,768 ports
+    later with Linux's default range)."""
     low = ephemeral_port_range()[0]
     if low <= _LOWEST_PORT + _TRIES_PER_PORT * count:  # an unusual range: let the kernel pick
         low = 0
