@@ -107,19 +107,22 @@ def prepare_model(work: Path, config_path: Path, args: argparse.Namespace) -> Pa
 
 
 def _summary(
-    system: str, ends: list[float], rewards: list[float], args: argparse.Namespace
+    system: str, ends: list[float], rewards: list[float] | None, args: argparse.Namespace
 ) -> dict[str, Any]:
+    """Timing of a system's steps; reward figures unless it trains nothing (``rewards`` None)."""
     if len(ends) < 2:
         raise RuntimeError(f"{system}: fewer than 2 steps finished; raise --steps")
     s_per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
-    return {
+    row: dict[str, Any] = {
         "system": system,
         "steps": len(ends),
         "s_per_step": round(s_per_step, 4),
         "samples_per_s": round(args.prompts * args.group / s_per_step, 1),
-        "reward_first5": round(sum(rewards[:5]) / len(rewards[:5]), 4),
-        "reward_last10": round(sum(rewards[-10:]) / len(rewards[-10:]), 4),
     }
+    if rewards is not None:
+        row["reward_first5"] = round(sum(rewards[:5]) / len(rewards[:5]), 4)
+        row["reward_last10"] = round(sum(rewards[-10:]) / len(rewards[-10:]), 4)
+    return row
 
 
 # -- podrl ------------------------------------------------------------------------------------
@@ -375,7 +378,7 @@ def run_vllm_only(
     load_before = _load()
     started = time.monotonic()
     code = (
-        "import sys; from bench.e2e_step import vllm_generate_only; "
+        "from bench.e2e_step import vllm_generate_only; "
         f"vllm_generate_only({str(config_path)!r}, {multiprocessing}, {args.steps}, "
         f"{args.prompts})"
     )
@@ -392,8 +395,7 @@ def run_vllm_only(
         raise RuntimeError(f"vllm_only failed ({done.returncode}): {done.stderr[-3000:]}")
     (line,) = (line for line in done.stdout.splitlines() if line.startswith(ENDS_MARKER))
     ends = json.loads(line[len(ENDS_MARKER) :])
-    row = _summary("vllm_only", ends, [0.0] * len(ends), args)
-    del row["reward_first5"], row["reward_last10"]  # it trains nothing
+    row = _summary("vllm_only", ends, None, args)
     row["engine_core"] = "separate_process" if multiprocessing else "in_process"
     row["wall_s"] = round(time.monotonic() - started, 1)
     row["load_before"], row["load_after"] = load_before, _load()

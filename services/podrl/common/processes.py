@@ -32,8 +32,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 # did: CI saw a grader exit with "port in use". Outgoing connections never take a port below
 # the range. Each process walks that range from a random place, one port after another, so it
 # never offers a port it offered before (a service still starting on it) and two processes
-# choosing at once (parallel test workers) meet only if their walks cross at that moment; a
-# random draw per port collided in CI within a few hundred choices.
+# choosing at once (parallel test workers) meet only if their walks cross at that moment (with
+# a random draw per port instead, CI still saw a service find its port taken).
 _LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000
 _TRIES_PER_PORT = 50
