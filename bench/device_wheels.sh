@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds .device-wheels/ (gitignored): the pure-Python packages (and grpcio, pydantic-core,
 # PyYAML, MarkupSafe as CPython 3.12 manylinux builds) that the CUDA machine lacks for podrl's
-# trainer, generator, grader, controller and CLI, at the versions constraints.txt pins.
+# trainer, generator, grader, controller and CLI, at the versions constraints.txt pins; torchft
+# (a CPython 3.12 build) for pods training together (its OpenTelemetry packages come with the
+# vLLM pieces; requests is what their exporter imports).
 # bench/device_env.sh installs them there; the machine has torch, numpy, transformers,
 # safetensors and prometheus-client of its own (ENVIRONMENT.md of the workplace).
 #
@@ -15,6 +17,7 @@ packages=(
     python-json-logger PyYAML rich markdown-it-py mdurl pygments
     httpx httpcore h11 anyio idna certifi
     fastapi starlette annotated-doc uvicorn click Jinja2 MarkupSafe tensorboardX
+    torchft requests urllib3 charset-normalizer
 )
 plat=""
 for p in manylinux_2_17 manylinux2014 manylinux_2_28 manylinux_2_34 linux; do

@@ -21,7 +21,13 @@ Target (issue 12): ``sync_ms`` flat in P, at most 1.2x from 1 to 3 pods, since w
 inside each pod. Throughput is reported, not judged: on a 2-core machine P pods share the same
 two cores, so steps do not get faster and per-pod work (sync included) competes for CPU.
 
+``--device cuda`` runs the same pods on one GPU machine (vLLM's CUDA build, bf16, eager; the
+trainers' parameters on the GPU, published by CUDA IPC): there the P pods have cores of their
+own but share the one GPU, so their trainers reduce across pods over gloo
+(``trainer.replication.backend: gloo``; NCCL allows one rank per GPU).
+
   python bench/scaling.py --out bench/results/scaling_cpu.json
+  python bench/scaling.py --device cuda --out bench/results/scaling_h200.json   (docs/scaling.md)
 """
 
 from __future__ import annotations
@@ -45,11 +51,28 @@ REPO = Path(__file__).resolve().parents[1]
 REWARD = "bench.scaling_reward:varied"
 
 
+def _device_settings(device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The generator and trainer fields that differ between the CPU and the CUDA runs."""
+    if device == "cpu":
+        return {"kv_cache_memory_bytes": 16 * 1024 * 1024}, {}
+    generator = {
+        "dtype": "bfloat16",
+        "enforce_eager": True,  # starts in seconds; the sync does not use CUDA graphs
+        "kv_cache_memory_bytes": 256 * 1024 * 1024,
+        # vLLM refuses to start unless this fraction of the GPU is free: three engines and
+        # their trainers share the one GPU.
+        "gpu_memory_utilization": 0.2,
+    }
+    trainer = {"compile_layers": False, "replication": {"backend": "gloo"}}
+    return generator, trainer
+
+
 def _config(work: Path, model: Path, pods: int, name: str, args: argparse.Namespace) -> Path:
+    generator, trainer = _device_settings(args.device)
     config = {
         "name": f"scaling-{name}",
         "run_dir": str(work / f"run-{name}"),
-        "device": "cpu",
+        "device": args.device,
         # The loop starts once all P pods are healthy: every timed step is a P-pod step.
         "controller": {
             "max_worker_pods": 3,
@@ -60,10 +83,10 @@ def _config(work: Path, model: Path, pods: int, name: str, args: argparse.Namesp
         "generator": {
             "model_path": str(model),
             "max_model_len": 64,
-            "kv_cache_memory_bytes": 16 * 1024 * 1024,
             "max_num_seqs": 32,
+            **generator,
         },
-        "trainer": {"model_path": str(model), "lr": 1.0e-3},
+        "trainer": {"model_path": str(model), "lr": 1.0e-3, **trainer},
         "tasks": {
             "definitions": [
                 {
@@ -85,6 +108,16 @@ def _config(work: Path, model: Path, pods: int, name: str, args: argparse.Namesp
     path = work / f"run-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def _pythonpath() -> str:
+    """podrl's services and the repository first, then what the caller set (on the GPU
+    machine: the carried wheels and vLLM, bench/vllm_device_env.sh)."""
+    return os.pathsep.join(
+        part
+        for part in (str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", ""))
+        if part
+    )
 
 
 def _steps(run_dir: Path) -> list[dict[str, Any]]:
@@ -109,7 +142,7 @@ def measure(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+            env={**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"},
             timeout=args.timeout,
             check=False,
         )
@@ -141,6 +174,21 @@ def measure(
     }
 
 
+def _gpu() -> dict[str, str]:
+    """The GPU's name, when nvidia-smi is there."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return {}
+    names = done.stdout.strip()
+    return {"gpu": names} if done.returncode == 0 and names else {}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", default="1,2,3", help="pod counts to run (default 1,2,3)")
@@ -150,9 +198,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/scaling_cpu.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, help="default bench/results/scaling_<cpu|h200>.json")
     parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = REPO / f"bench/results/scaling_{'cpu' if args.device == 'cpu' else 'h200'}.json"
     sys.path.insert(0, str(REPO / "services"))
     from podrl.models.tiny import make_tiny_model
 
@@ -183,7 +234,7 @@ def main() -> int:
         )
     by_pods = {row["pods"]: row for row in rows}
     result: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **_gpu()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,
     }

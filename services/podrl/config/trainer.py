@@ -51,6 +51,13 @@ class ReplicationConfig(Section):
     connect_timeout_seconds: float = Field(
         30.0, gt=0, description="Timeout of connecting to the Lighthouse and to peer pods."
     )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="Backend of the cross-pod process group (torchft's reconfigurable one). "
+        "auto: NCCL for CUDA parameters, gloo for CPU ones. gloo also reduces CUDA tensors, "
+        "for pods that share one GPU, which NCCL refuses (one rank per GPU in a "
+        "communicator); nccl needs device: cuda.",
+    )
     manager_port: int = Field(
         0,
         ge=0,

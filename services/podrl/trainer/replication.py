@@ -50,6 +50,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only, t
 
 from podrl.algorithms.losses import BatchTotals
 from podrl.common import faults
+from podrl.config import ConfigError
 from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError, BatchLimits, batch_totals, validate_train_request
 from podrl.v1 import trainer_pb2
@@ -189,11 +190,25 @@ def _checkpoint_transport(advertise_host: str, timeout: timedelta) -> Any:
     return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
 
 
-def _process_group(device: torch.device, timeout: timedelta) -> Any:
-    """The reconfigurable cross-pod process group: gloo for CPU tensors, NCCL for CUDA ones."""
+def cross_pod_backend(configured: str, device: torch.device) -> str:
+    """``trainer.replication.backend`` resolved for this trainer's parameters: ``auto`` is NCCL
+    for CUDA ones and gloo for CPU ones. gloo reduces CUDA tensors too (torchft registers it
+    for both device types), which pods sharing one GPU need: NCCL allows one rank per GPU."""
+    if configured == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if configured == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"trainer.replication.backend: nccl needs CUDA parameters, these are on "
+            f"{device.type}; set it to gloo or auto, or device: cuda"
+        )
+    return configured
+
+
+def _process_group(backend: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable cross-pod process group of ``backend`` (nccl or gloo)."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if device.type == "cuda":
+    if backend == "nccl":
         return ProcessGroupNCCL(timeout=timeout)
     return ProcessGroupGloo(timeout=timeout)
 
@@ -228,7 +243,7 @@ class CrossPodReplica:
         self._store = None
         store_port = self._start_store(advertise_host)
         self.manager = Manager(
-            pg=_process_group(engine.device, timeout),
+            pg=_process_group(cross_pod_backend(settings.backend, engine.device), timeout),
             load_state_dict=self._load_state,
             state_dict=self._state,
             min_replica_size=1,
