@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds .device-wheels/ (gitignored): the pure-Python packages (and grpcio, pydantic-core,
-# PyYAML, MarkupSafe as CPython 3.12 manylinux builds) that the CUDA machine lacks for podrl's
-# trainer, generator, grader, controller and CLI, at the versions constraints.txt pins; torchft
-# (a CPython 3.12 build) for pods training together (its OpenTelemetry packages come with the
-# vLLM pieces; requests is what their exporter imports).
+# Builds .device-wheels/ (gitignored): the packages the CUDA machine lacks for podrl's trainer,
+# generator, grader, controller and CLI, at the versions constraints.txt pins: pure-Python ones,
+# CPython 3.12 manylinux builds of grpcio, pydantic-core, PyYAML, MarkupSafe and torchft (pods
+# training together), pebble (the grader's scoring pool) and the official kubernetes client (the
+# controller's watch) with their dependencies. torchft's OpenTelemetry packages come with the
+# vLLM pieces (../shared/tools/vllm-cuda-pieces.sh); requests is what their exporter imports.
 # bench/device_env.sh installs them there; the machine has torch, numpy, transformers,
 # safetensors and prometheus-client of its own (ENVIRONMENT.md of the workplace).
 #
@@ -18,6 +19,7 @@ packages=(
     httpx httpcore h11 anyio idna certifi
     fastapi starlette annotated-doc uvicorn click Jinja2 MarkupSafe tensorboardX
     torchft requests urllib3 charset-normalizer
+    pebble kubernetes durationpy oauthlib python-dateutil six requests-oauthlib websocket-client
 )
 plat=""
 for p in manylinux_2_17 manylinux2014 manylinux_2_28 manylinux_2_34 linux; do
