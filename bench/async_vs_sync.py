@@ -49,6 +49,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+
+from bench.run_env import gpu_name, podrl_env  # noqa: E402
+
 DEMO = REPO / "examples" / "demo.yaml"
 
 
@@ -61,12 +65,19 @@ def _uptime() -> str:
         return f"uptime unavailable: {err}"
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "services"), "COLUMNS": "200"}
+def _demo(device: str) -> dict[str, Any]:
+    """examples/demo.yaml on ``device``; on a GPU with bf16 weights and eager layers (each
+    run starts in seconds; both modes alike)."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["device"] = device
+    if device == "cuda":
+        config["generator"].update(dtype="bfloat16", enforce_eager=True)
+        config["trainer"]["compile_layers"] = False
+    return config
 
 
 def _config(work: Path, model: Path, mode: str, name: str, args: argparse.Namespace) -> Path:
-    config = yaml.safe_load(DEMO.read_text())
+    config = _demo(args.device)
     config["name"] = f"async-vs-sync-{name}"
     config["run_dir"] = str(work / f"run-{name}")
     config["log"] = {"format": "json"}
@@ -100,7 +111,7 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 def warm_start(work: Path, args: argparse.Namespace) -> Path:
     """The demo's warm-started model (30 supervised steps at 2e-4, as ``make demo``)."""
-    config = yaml.safe_load(DEMO.read_text())
+    config = _demo(args.device)
     config["run_dir"] = str(work / "warm")
     path = work / "warm.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -108,7 +119,8 @@ def warm_start(work: Path, args: argparse.Namespace) -> Path:
     done = subprocess.run(
         [sys.executable, "-m", "podrl.cli", "warm-start", str(path), "--steps", "30", "--lr",
          "2e-4", "--out", str(out)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=args.timeout, check=False,
+        cwd=REPO, env=podrl_env(), capture_output=True, text=True, timeout=args.timeout,
+        check=False,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"podrl warm-start failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -130,7 +142,7 @@ def measure(
     with open(log, "wb") as out:
         done = subprocess.run(
             [sys.executable, "-m", "podrl.cli", "run", str(config)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), timeout=args.timeout,
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=podrl_env(), timeout=args.timeout,
             check=False,
         )  # fmt: skip
     wall = time.monotonic() - started
@@ -183,9 +195,15 @@ def main() -> int:
         "--repeats", type=int, default=3, help="runs of each mode, alternating (median)"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/async_vs_sync.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--out", type=Path, help="default bench/results/async_vs_sync.json (_h200 on cuda)"
+    )
     parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.device == "cpu" else "_h200"
+        args.out = REPO / f"bench/results/async_vs_sync{suffix}.json"
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="podrl-async-") as tmp:
         work = args.work or Path(tmp)
@@ -228,7 +246,7 @@ def main() -> int:
         curve = " ".join("—" if r is None else f"{r:.2f}" for r in row["reward_curve"][::5])
         print(f"{row['mode']:>6} {curve}")
     result = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **gpu_name()},
         "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "work")},
         "target": {"speedup_min": 1.3, "accuracy_gap_max": 0.05},
         "met": asynchronous["speedup"] >= 1.3 and asynchronous.get("accuracy_gap", 1) <= 0.05,

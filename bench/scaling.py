@@ -27,7 +27,7 @@ own but share the one GPU, so their trainers reduce across pods over gloo
 (``trainer.replication.backend: gloo``; NCCL allows one rank per GPU).
 
   python bench/scaling.py --out bench/results/scaling_cpu.json
-  python bench/scaling.py --device cuda --out bench/results/scaling_h200.json   (docs/scaling.md)
+  bash bench/cuda_bench_device.sh scaling    (on the GPU machine: docs/scaling.md, "Measured")
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+
+from bench.run_env import gpu_name, podrl_env  # noqa: E402
+
 REWARD = "bench.scaling_reward:varied"
 
 
@@ -110,16 +114,6 @@ def _config(work: Path, model: Path, pods: int, name: str, args: argparse.Namesp
     return path
 
 
-def _pythonpath() -> str:
-    """podrl's services and the repository first, then what the caller set (on the GPU
-    machine: the carried wheels and vLLM, bench/vllm_device_env.sh)."""
-    return os.pathsep.join(
-        part
-        for part in (str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", ""))
-        if part
-    )
-
-
 def _steps(run_dir: Path) -> list[dict[str, Any]]:
     with sqlite3.connect(run_dir / "controller.sqlite") as db:
         rows = db.execute("SELECT step, metrics, finished_at FROM steps ORDER BY step")
@@ -142,7 +136,7 @@ def measure(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"},
+            env=podrl_env(),
             timeout=args.timeout,
             check=False,
         )
@@ -172,21 +166,6 @@ def measure(
         "steps_timed": len(timed),
         "wall_s": round(time.monotonic() - started, 1),
     }
-
-
-def _gpu() -> dict[str, str]:
-    """The GPU's name, when nvidia-smi is there."""
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError:
-        return {}
-    names = done.stdout.strip()
-    return {"gpu": names} if done.returncode == 0 and names else {}
 
 
 def main() -> int:
@@ -234,7 +213,7 @@ def main() -> int:
         )
     by_pods = {row["pods"]: row for row in rows}
     result: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **_gpu()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **gpu_name()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,
     }

@@ -1,11 +1,13 @@
-"""bench/scaling.py's runs: the CUDA one keeps the CPU one's workload and makes the pods that
-share one GPU reduce over gloo (docs/scaling.md, "Measured")."""
+"""The benchmarks that run on CPU and on the GPU machine (``--device cuda``) give both devices
+the same workload: bench/scaling.py (docs/scaling.md, "Measured") and bench/async_vs_sync.py
+(docs/controller.md, "Asynchronous mode")."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from bench import async_vs_sync
 from bench.scaling import _config
 from podrl.config import load_config
 from podrl.config.run_config import RunConfig
@@ -26,3 +28,17 @@ def test_the_cuda_run_shares_one_gpu_over_gloo_with_the_cpu_runs_workload(tmp_pa
     for field in ("steps", "prompts_per_step", "sampling"):
         assert getattr(cpu.loop, field) == getattr(cuda.loop, field)
     assert cpu.controller.min_worker_pods == cuda.controller.min_worker_pods == 3
+
+
+def test_the_async_bench_runs_the_demo_on_either_device_with_the_same_loop(tmp_path: Path) -> None:
+    args = argparse.Namespace(steps=100, eval_every=50, seed=0)
+    loaded = {}
+    for device in ("cpu", "cuda"):
+        args.device = device
+        path = async_vs_sync._config(tmp_path, tmp_path / "warm", "async", device, args)
+        loaded[device] = load_config(path, env={})
+    cpu, cuda = loaded["cpu"], loaded["cuda"]
+    assert (cpu.device, cuda.device) == ("cpu", "cuda")
+    assert (cpu.generator.dtype, cuda.generator.dtype) == ("float32", "bfloat16")
+    assert cpu.loop == cuda.loop
+    assert cuda.loop.mode == "async" and cuda.loop.max_staleness == 1

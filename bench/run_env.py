@@ -1,0 +1,39 @@
+"""The environment of the ``podrl`` processes a benchmark starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pythonpath() -> str:
+    """podrl's services and the repository first, then what the caller set (on the GPU
+    machine: the carried wheels and vLLM, bench/vllm_device_env.sh)."""
+    return os.pathsep.join(
+        part
+        for part in (str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", ""))
+        if part
+    )
+
+
+def podrl_env() -> dict[str, str]:
+    """This process's environment with :func:`pythonpath` and wide log lines."""
+    return {**os.environ, "PYTHONPATH": pythonpath(), "COLUMNS": "200"}
+
+
+def gpu_name() -> dict[str, str]:
+    """``{"gpu": name}`` when nvidia-smi answers, else nothing (a CPU machine)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return {}
+    names = done.stdout.strip()
+    return {"gpu": names} if done.returncode == 0 and names else {}
