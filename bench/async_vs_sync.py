@@ -28,6 +28,11 @@ load (``uptime``) is recorded before and after each run: on a shared 2-core mach
 generator and the trainer compete for the same cores, so the speedup measured depends on what
 else runs.
 
+``--device cuda`` runs the same on the GPU machine (the demo's model warm-started there, vLLM's
+CUDA engine in bf16 with eager layers, the trainer on the same GPU), where the generator and the
+trainer do not share two cores: ``bash bench/cuda_bench_device.sh async_vs_sync`` writes
+``async_vs_sync_h200.json`` (docs/controller.md, "Asynchronous mode").
+
   python bench/async_vs_sync.py --out bench/results/async_vs_sync.json
 """
 
