@@ -56,7 +56,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
-from bench.run_env import gpu_name, podrl_env  # noqa: E402
+from bench.run_env import CUDA_GENERATOR, CUDA_TRAINER, gpu_name, podrl_env  # noqa: E402
 
 DEMO = REPO / "examples" / "demo.yaml"
 
@@ -71,13 +71,13 @@ def _uptime() -> str:
 
 
 def _demo(device: str) -> dict[str, Any]:
-    """examples/demo.yaml on ``device``; on a GPU with bf16 weights and eager layers (each
-    run starts in seconds; both modes alike)."""
+    """examples/demo.yaml on ``device`` (on a GPU with the CUDA settings of bench.run_env,
+    both modes alike)."""
     config = yaml.safe_load(DEMO.read_text())
     config["device"] = device
     if device == "cuda":
-        config["generator"].update(dtype="bfloat16", enforce_eager=True)
-        config["trainer"]["compile_layers"] = False
+        config["generator"].update(CUDA_GENERATOR)
+        config["trainer"].update(CUDA_TRAINER)
     return config
 
 

@@ -303,12 +303,11 @@ def table(results: dict[str, Any]) -> str:
 
 
 def run(opts: Options) -> dict[str, Any]:
+    from bench.run_env import pythonpath
     from bench.vllm_cuda import environment  # torch and vLLM's worker extension: import late
 
     opts.work_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "services"), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    )
+    os.environ["PYTHONPATH"] = pythonpath()
     preparation: dict[str, Any] = {}
     results: dict[str, Any] = {
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},

@@ -55,6 +55,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+
+from bench.run_env import podrl_env  # noqa: E402
+
 # torch's own default thread count, read before anything changes it.
 DEFAULT_THREADS = __import__("torch").get_num_threads()
 DEMO = REPO / "examples" / "demo.yaml"
@@ -138,7 +142,7 @@ def run_podrl(work: Path, config_path: Path, args: argparse.Namespace) -> dict[s
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO / "services"), "COLUMNS": "200"},
+            env=podrl_env(),
             timeout=args.timeout,
             check=False,
         )
@@ -387,7 +391,7 @@ def run_vllm_only(
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'services'}"},
+        env=podrl_env(),
         timeout=args.timeout,
         check=False,
     )

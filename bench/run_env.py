@@ -8,6 +8,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# What a benchmark's run sets on the GPU machine besides ``device: cuda``, where the same run
+# also goes on CPU: bf16 sampling, and eager layers in vLLM and the trainer, so each run starts
+# in seconds (the benchmarks time steps, not the engine's start).
+CUDA_GENERATOR: dict[str, object] = {"dtype": "bfloat16", "enforce_eager": True}
+CUDA_TRAINER: dict[str, object] = {"compile_layers": False}
+
 
 def pythonpath() -> str:
     """podrl's services and the repository first, then what the caller set (on the GPU

@@ -50,7 +50,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
-from bench.run_env import gpu_name, podrl_env  # noqa: E402
+from bench.run_env import CUDA_GENERATOR, CUDA_TRAINER, gpu_name, podrl_env  # noqa: E402
 
 REWARD = "bench.scaling_reward:varied"
 
@@ -60,14 +60,13 @@ def _device_settings(device: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if device == "cpu":
         return {"kv_cache_memory_bytes": 16 * 1024 * 1024}, {}
     generator = {
-        "dtype": "bfloat16",
-        "enforce_eager": True,  # starts in seconds; the sync does not use CUDA graphs
+        **CUDA_GENERATOR,
         "kv_cache_memory_bytes": 256 * 1024 * 1024,
         # vLLM refuses to start unless this fraction of the GPU is free: three engines and
         # their trainers share the one GPU.
         "gpu_memory_utilization": 0.2,
     }
-    trainer = {"compile_layers": False, "replication": {"backend": "gloo"}}
+    trainer = {**CUDA_TRAINER, "replication": {"backend": "gloo"}}
     return generator, trainer
 
 

@@ -22,7 +22,8 @@ def test_the_cuda_run_shares_one_gpu_over_gloo_with_the_cpu_runs_workload(tmp_pa
     cpu, cuda = _loaded(tmp_path, "cpu"), _loaded(tmp_path, "cuda")
     assert (cpu.device, cuda.device) == ("cpu", "cuda")
     assert cuda.trainer.replication.backend == "gloo"  # NCCL: one rank per GPU
-    assert cuda.generator.dtype == "bfloat16"
+    assert cuda.generator.dtype == "bfloat16" and cuda.generator.enforce_eager
+    assert cuda.generator.engine_core == "auto"  # vLLM's own engine process off CPU
     # Three engines fit beside each other: each asks vLLM for a fifth of the GPU at most.
     assert cuda.generator.gpu_memory_utilization * 3 < 1
     for field in ("steps", "prompts_per_step", "sampling"):

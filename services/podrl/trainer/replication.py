@@ -193,7 +193,9 @@ def _checkpoint_transport(advertise_host: str, timeout: timedelta) -> Any:
 def cross_pod_backend(configured: str, device: torch.device) -> str:
     """``trainer.replication.backend`` resolved for this trainer's parameters: ``auto`` is NCCL
     for CUDA ones and gloo for CPU ones. gloo reduces CUDA tensors too (torchft registers it
-    for both device types), which pods sharing one GPU need: NCCL allows one rank per GPU."""
+    for both device types), which pods sharing one GPU need: NCCL allows one rank per GPU.
+    The load-time rule refuses nccl with ``device: cpu``; this catches ``device: auto`` on a
+    machine where torch sees no GPU, which only the trainer's process can know."""
     if configured == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if configured == "nccl" and device.type != "cuda":
