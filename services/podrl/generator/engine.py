@@ -11,6 +11,9 @@ Atomic weight swaps: a readers-writer lock surrounds engine use. Every generate 
 read side from submission to its last token, ApplyWeights the write side; a swap therefore waits
 for running generate calls, holds new ones back, and every sample is produced by exactly one
 policy version. After a swap the prefix cache is reset (its KV blocks came from the old weights).
+An ApplyWeights with ``in_flight`` skips the write lock and lands between two engine steps while
+generate calls run (``podrl.generator.in_flight``); one apply (or sleep, or wake-up) runs at a
+time either way.
 
 Which version that is belongs to the workers (``podrl.generator.weight_state``): the engine
 keeps no counter, only a mirror of the state the workers send back with every reply. An apply
@@ -39,7 +42,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +52,13 @@ from podrl.config.generator import GeneratorConfig
 from podrl.generator import cpu_linear, engine_processes
 from podrl.generator.cpu_linear import CPU_LINEAR_ENV
 from podrl.generator.deadlines import deadline_after, seconds_left
+from podrl.generator.in_flight import (
+    PAUSE_KEEP,
+    UNSUPPORTED,
+    GenerateSpan,
+    RunningGenerates,
+    in_flight_apply_kind,
+)
 from podrl.generator.inline_engine import InlineEngine
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
@@ -121,12 +132,16 @@ class Completion:
 class PromptCompletions:
     prompt_token_ids: list[int]
     completions: list[Completion]
+    last_policy_version: int = 0
+    """The version served when this prompt's request finished (> the call's policy_version
+    when an in-flight apply landed while it ran)."""
 
 
 @dataclass
 class GenerateResult:
     prompts: list[PromptCompletions]
     policy_version: int
+    """The version served when the call's requests were added."""
 
 
 @dataclass
@@ -135,6 +150,8 @@ class ApplyResult:
     seconds: float
     plan_cached: bool
     mode: str
+    in_flight: bool = False
+    """Applied while Generate calls could run (between two engine steps)."""
 
 
 @dataclass
@@ -158,6 +175,14 @@ class VllmEngine:
         self._model_path = model_path
         self._trusted_publisher_id = trusted_publisher_id
         self._lock = ReadWriteLock()
+        self._one_change = threading.Lock()
+        """Held by every apply, sleep and wake-up: an in-flight apply takes no write lock, and
+        must still never overlap another change of the weights."""
+        self._running = RunningGenerates()
+        """Generate calls on the loop thread (an in-flight apply that fails part-way fails
+        them)."""
+        self.in_flight_apply = UNSUPPORTED
+        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
         self._admission = threading.BoundedSemaphore(config.max_concurrent_requests)
         # Mirror of the workers' weight state, replaced only from their replies (and set to
         # needs_full while an apply they may still be running is unsettled).
@@ -202,6 +227,7 @@ class VllmEngine:
             self._config.engine_start_timeout_seconds,
         )
         self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+        self.in_flight_apply = in_flight_apply_kind(self._engine)
         described = replies[0]
         try:
             self._lone_tokens = _lone_character_tokens(self._engine.get_tokenizer())
@@ -227,6 +253,7 @@ class VllmEngine:
             extra={
                 "repacked_parameters": str(len(described["repacked"])),
                 "engine_core": self.engine_core,
+                "in_flight_apply": self.in_flight_apply,
                 "vllm_version": str(vllm_version),
             },
         )
@@ -346,7 +373,9 @@ class VllmEngine:
         timeout: float | None,
         on_cancel: Callable[[Callable[[], None]], None] | None = None,
     ) -> GenerateResult:
-        """Sample ``sampling.n`` completions per prompt, all under one policy version."""
+        """Sample ``sampling.n`` completions per prompt, all under one policy version (or, when
+        an in-flight apply lands meanwhile, the versions each prompt's ``last_policy_version``
+        says from the call's ``policy_version`` on)."""
         deadline = deadline_after(timeout)
         stop_token_ids = self._stop_token_ids(sampling.stop)
         params = self._sampling_params(sampling, stop_token_ids)
@@ -356,16 +385,13 @@ class VllmEngine:
             with self._lock.read(seconds_left(deadline)):
                 if self._sleeping:
                     raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
-                weights = self._weights
-                weights.require_servable()  # needs_full: no version to sample from
-                version = weights.version
                 future = asyncio.run_coroutine_threadsafe(
                     self._generate_all(prompts, params, request_id), self._loop
                 )
                 if on_cancel is not None:
                     on_cancel(future.cancel)
                 try:
-                    outputs = future.result(seconds_left(deadline))
+                    outputs, span = future.result(seconds_left(deadline))
                 except concurrent.futures.TimeoutError:
                     future.cancel()  # AsyncLLM aborts requests whose stream is cancelled
                     raise
@@ -373,17 +399,21 @@ class VllmEngine:
             self._admission.release()
         # Without vLLM's detokenizer (stop_token_ids) the text is decoded here, once.
         decode = None if stop_token_ids is None else self._engine.get_tokenizer().decode
-        prompts = [_prompt_completions(out, decode) for out in outputs]
+        prompts = [
+            _prompt_completions(out, last, decode)
+            for out, last in zip(outputs, span.last_versions, strict=True)
+        ]
         for prompt in prompts:
             for completion in prompt.completions:
                 # NaN and infinities propagate through the sum (finite logprobs never overflow).
                 if not math.isfinite(sum(completion.logprobs)):
+                    versions = sorted({span.first_version, prompt.last_policy_version})
                     raise NonFiniteOutputError(
-                        f"policy version {version} produced a logprob that is NaN or infinite; "
-                        "its weights are broken: no sample is returned (apply a full manifest "
-                        "of good weights)"
+                        f"policy version {'..'.join(map(str, versions))} produced a logprob "
+                        "that is NaN or infinite; its weights are broken: no sample is "
+                        "returned (apply a full manifest of good weights)"
                     )
-        return GenerateResult(prompts=prompts, policy_version=version)
+        return GenerateResult(prompts=prompts, policy_version=span.first_version)
 
     def _stop_token_ids(self, stop: Sequence[str]) -> list[int] | None:
         """Token ids that end every sample exactly where ``stop`` would, or None.
@@ -427,8 +457,14 @@ class VllmEngine:
 
     async def _generate_all(
         self, prompts: Sequence[Sequence[int]], params: Any, request_id: str
-    ) -> list[Any]:
+    ) -> tuple[list[Any], GenerateSpan]:
+        """The final outputs, and the versions served while they were sampled. On the loop
+        thread, where in-flight applies change the mirror (between two engine steps), so the
+        versions read here bound those that sampled each token."""
         from vllm.inputs import TokensPrompt
+
+        self._weights.require_servable()  # needs_full: no version to sample from
+        span = GenerateSpan(self._weights.version, [self._weights.version] * len(prompts))
 
         async def one(index: int, token_ids: Sequence[int]) -> Any:
             final = None
@@ -437,66 +473,148 @@ class VllmEngine:
                 TokensPrompt(prompt_token_ids=list(token_ids)), params, rid
             ):
                 final = output
+            span.last_versions[index] = self._weights.version
             return final
 
-        try:
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        except request_errors() as err:  # vLLM's request validation
-            raise InvalidRequestError(f"prompt: {err}") from None
+        with self._running.track(span):
+            try:
+                outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            except request_errors() as err:  # vLLM's request validation
+                raise InvalidRequestError(f"prompt: {err}") from None
+        return outputs, span
 
     # ---- weights -------------------------------------------------------------------------
 
     def apply_manifest(
-        self, manifest: weights_pb2.WeightManifest, timeout: float | None, rollback: bool = False
+        self,
+        manifest: weights_pb2.WeightManifest,
+        timeout: float | None,
+        rollback: bool = False,
+        in_flight: bool = False,
     ) -> ApplyResult:
         """Have every worker apply ``manifest``. Raises ``ManifestError`` (refused, nothing
         written), ``WeightApplyError`` (failed; its ``state`` says whether the previous version
-        still serves or a full manifest is needed), ``ApplyDeadlineError`` or
-        ``LockTimeoutError``.
+        still serves or a full manifest is needed), ``ApplyDeadlineError``,
+        ``LockTimeoutError`` or ``InvalidRequestError`` (``in_flight`` with ``rollback``).
 
         Applying the version already served from the same storage again is a no-op success, so
         a caller that lost the reply can simply retry. ``rollback`` accepts an older version
-        (the trainer restarted from a checkpoint): full manifests only, handles reopened."""
+        (the trainer restarted from a checkpoint): full manifests only, handles reopened.
+        ``in_flight``: do not wait for running Generate calls, where the engine can
+        (``podrl.generator.in_flight``); else the apply waits for them as without."""
         from podrl.weights.receiver import check_shard_count
 
+        if in_flight and rollback:
+            raise InvalidRequestError(
+                "in_flight with rollback: a rollback is applied between generate calls (the "
+                "samples running would mix a newer version into older ones); leave in_flight "
+                "unset"
+            )
         deadline = deadline_after(timeout)
-        # Outside the write lock, so Generate never waits for a manifest that is refused.
+        # Outside the locks, so Generate never waits for a manifest that is refused.
         check_shard_count(manifest, self._parameter_count)
         key = self._key.verify(manifest)
-        with self._lock.write(timeout):
-            self._require_weights_resident()
-            self._settle_unsettled_apply(deadline)
-            before = self._weights
-            self._weights = before.begin(manifest.version)
-            future = asyncio.run_coroutine_threadsafe(
-                self._engine.collective_rpc(
-                    "podrl_apply_manifest",
-                    args=(
-                        manifest.SerializeToString(),
-                        self._config.weight_apply_mode,
-                        self._trusted_publisher_id,
-                        rollback,
-                        key.owner_uid,
-                    ),
-                ),
-                self._loop,
+        in_flight = in_flight and self.in_flight_apply != UNSUPPORTED
+        args = (
+            manifest.SerializeToString(),
+            self._config.weight_apply_mode,
+            self._trusted_publisher_id,
+            rollback,
+            key.owner_uid,
+        )
+        with self._changing_weights(deadline):
+            if in_flight:
+                return self._apply_in_flight(args, manifest.version, deadline)
+            with self._lock.write(seconds_left(deadline)):
+                return self._apply_between_generates(args, manifest.version, deadline)
+
+    @contextmanager
+    def _changing_weights(self, deadline: float | None) -> Iterator[None]:
+        """One apply, sleep or wake-up at a time."""
+        left = seconds_left(deadline)
+        if not self._one_change.acquire(timeout=-1 if left is None else left):
+            raise LockTimeoutError("timed out waiting for another weight apply to finish")
+        try:
+            yield
+        finally:
+            self._one_change.release()
+
+    def _apply_between_generates(
+        self, args: tuple[Any, ...], version: int, deadline: float | None
+    ) -> ApplyResult:
+        """The apply, holding the write lock (no Generate runs)."""
+        self._require_weights_resident()
+        self._settle_unsettled_apply(deadline)
+        before = self._weights
+        self._weights = before.begin(version)
+        future = asyncio.run_coroutine_threadsafe(
+            self._engine.collective_rpc("podrl_apply_manifest", args=args), self._loop
+        )
+        # Sent right behind the apply, not after its reply: one round trip to vLLM's engine
+        # core fewer (1-2 ms on an H200, bench/apply_anatomy.py). The engine core runs
+        # utility calls one after the other, and the write lock keeps every Generate out
+        # until both are done, so no KV block of the old weights survives; a refused
+        # manifest costs a cache reset, nothing else.
+        reset = asyncio.run_coroutine_threadsafe(self._engine.reset_prefix_cache(), self._loop)
+        try:
+            replies = self._await_apply(future, version, deadline)
+        except ApplyDeadlineError:
+            raise
+        except Exception as exc:
+            self._weights = before.needs_full(
+                f"applying version {version}: the workers did not answer ({exc})"
             )
-            # Sent right behind the apply, not after its reply: one round trip to vLLM's engine
-            # core fewer (1-2 ms on an H200, bench/apply_anatomy.py). The engine core runs
-            # utility calls one after the other, and the write lock keeps every Generate out
-            # until both are done, so no KV block of the old weights survives; a refused
-            # manifest costs a cache reset, nothing else.
-            reset = asyncio.run_coroutine_threadsafe(self._engine.reset_prefix_cache(), self._loop)
+            raise
+        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+        reset.result(60)
+        return self._commit(replies, version)
+
+    def _apply_in_flight(
+        self, args: tuple[Any, ...], version: int, deadline: float | None
+    ) -> ApplyResult:
+        """The apply while Generate calls may run: the mirror changes on the loop thread, in
+        :meth:`_land_in_flight`, between two engine steps."""
+        self._require_weights_resident()
+        self._settle_unsettled_apply(deadline)
+        future = asyncio.run_coroutine_threadsafe(self._land_in_flight(args, version), self._loop)
+        replies = self._await_apply(future, version, deadline)
+        result = self._commit(replies, version)
+        result.in_flight = True
+        return result
+
+    async def _land_in_flight(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+        """On the loop thread: pause vLLM's scheduler where the engine core runs elsewhere
+        (keep mode: requests stay), apply, mirror the workers' state before any further step,
+        and after a version change recompute the running requests' KV (the prefix cache reset
+        preempts them); an apply that left needs_full fails the running Generate calls."""
+        paused = self.in_flight_apply == PAUSE_KEEP
+        if paused:
+            await self._engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            before = self._weights
             try:
-                replies = self._await_apply(future, manifest.version, deadline)
-            except ApplyDeadlineError:
-                raise
+                replies = await self._engine.collective_rpc("podrl_apply_manifest", args=args)
             except Exception as exc:
-                self._weights = before.needs_full(
-                    f"applying version {manifest.version}: the workers did not answer ({exc})"
-                )
+                why = f"applying version {version} in flight: the workers did not answer ({exc})"
+                self._weights = before.needs_full(why)
+                self._running.fail_all(why)
                 raise
-            return self._commit(replies, manifest.version, reset)
+            self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+            if self._weights.phase is WeightPhase.NEEDS_FULL:
+                failed = self._running.fail_all(
+                    f"applying version {version} in flight failed part-way ({self._weights.reason})"
+                )
+                log.error(
+                    "the failed in-flight apply of version %d failed %d Generate calls",
+                    version,
+                    failed,
+                )
+            elif self._weights != before:
+                await self._engine.reset_prefix_cache(reset_running_requests=True)
+            return replies
+        finally:
+            if paused:
+                await self._engine.resume_generation()
 
     def _await_apply(
         self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
@@ -555,20 +673,14 @@ class VllmEngine:
             self._engine.collective_rpc("podrl_weight_state"), seconds_left(deadline)
         )
         self._weights = combine([WeightState.from_wire(s) for s in states])
-        # That apply may have changed the weights: KV blocks of the old ones must go.
-        self._run(self._engine.reset_prefix_cache(), 60)
+        # That apply may have changed the weights: KV blocks of the old ones must go, those of
+        # requests still running (it was in flight) too.
+        self._run(self._engine.reset_prefix_cache(reset_running_requests=True), 60)
         log.info("the apply of version %d settled: %s", version, self._weights.describe())
 
-    def _commit(
-        self,
-        replies: list[dict[str, Any]],
-        version: int,
-        reset: concurrent.futures.Future[Any],
-    ) -> ApplyResult:
-        """Mirror the workers' state; raise what went wrong, or return the result once the
-        prefix cache ``reset`` sent behind the apply is done."""
-        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
-        reset.result(60)
+    def _commit(self, replies: list[dict[str, Any]], version: int) -> ApplyResult:
+        """Raise what went wrong in the workers' ``replies`` (the mirror already holds their
+        state), or return the result."""
         refused = [r for r in replies if r.get("error_kind")]
         failed = [r for r in replies if r.get("apply_error")]
         if refused and len(refused) == len(replies):
@@ -607,7 +719,7 @@ class VllmEngine:
         if level not in (1, 2):
             raise InvalidRequestError("level must be 1 (offload weights) or 2 (drop weights)")
         deadline = deadline_after(timeout)
-        with self._lock.write(timeout):
+        with self._changing_weights(deadline), self._lock.write(seconds_left(deadline)):
             if self._sleeping:
                 return
             self._settle_unsettled_apply(deadline)
@@ -616,7 +728,8 @@ class VllmEngine:
 
     def wake_up(self, timeout: float | None) -> None:
         self._require_sleep_mode()
-        with self._lock.write(timeout):
+        deadline = deadline_after(timeout)
+        with self._changing_weights(deadline), self._lock.write(seconds_left(deadline)):
             if not self._sleeping:
                 return
             self._run(self._engine.wake_up(), timeout)
@@ -682,9 +795,12 @@ def _longest_token_bytes(tokenizer: Any) -> int | None:
     return max((len(str(token).encode()) for token in vocab), default=None)
 
 
-def _prompt_completions(output: Any, decode: Callable[..., str] | None = None) -> PromptCompletions:
-    """podrl's view of one prompt's vLLM output; ``decode`` (the tokenizer's) when vLLM did not
-    detokenize: the text then ends before a stop token, as vLLM's ends before a stop string."""
+def _prompt_completions(
+    output: Any, last_version: int, decode: Callable[..., str] | None = None
+) -> PromptCompletions:
+    """podrl's view of one prompt's vLLM output, finished under ``last_version``; ``decode``
+    (the tokenizer's) when vLLM did not detokenize: the text then ends before a stop token, as
+    vLLM's ends before a stop string."""
     completions = []
     for c in sorted(output.outputs, key=lambda c: c.index):
         token_ids = list(c.token_ids)
@@ -703,5 +819,7 @@ def _prompt_completions(output: Any, decode: Callable[..., str] | None = None) -
             )
         )
     return PromptCompletions(
-        prompt_token_ids=list(output.prompt_token_ids), completions=completions
+        prompt_token_ids=list(output.prompt_token_ids),
+        completions=completions,
+        last_policy_version=last_version,
     )

@@ -14,7 +14,8 @@ thread: ``generate`` adds its request and waits on a queue; one driver task step
 while any request is unfinished and hands each output to its request's queue, yielding to the
 loop between steps so that new requests join the running batch (vLLM's continuous batching)
 and utility calls (``collective_rpc``, ``reset_prefix_cache``) run between two steps, as the
-engine-core process runs them.
+engine-core process runs them. So an in-flight weight apply (``podrl.generator.in_flight``)
+needs no pause here: its coroutine never yields between the workers' apply and the cache reset.
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ class InlineEngine:
         self._require_alive()
         return self._engine.collective_rpc(method, args=tuple(args))
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset; ``reset_running_requests`` preempts the running requests first (their
+        KV is recomputed when they are scheduled again), so the reset cannot be refused."""
         self._require_alive()
-        self._engine.reset_prefix_cache()
+        return bool(self._engine.reset_prefix_cache(reset_running_requests))
 
     async def sleep(self, level: int = 1) -> None:
         self._require_alive()

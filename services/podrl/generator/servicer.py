@@ -5,9 +5,9 @@ Status codes:
   greedy sampling, n above vLLM's cap) or prompts (a text too long for ``max_model_len`` is
   refused by its length before it is tokenised); UNAVAILABLE while the engine loads;
   FAILED_PRECONDITION while asleep, while the weight state is needs_full (the message says
-  "needs a full manifest") or when the served weights produced a logprob that is not finite (no
-  sample is returned); DEADLINE_EXCEEDED when the caller's deadline passes (the engine aborts
-  the requests).
+  "needs a full manifest"; also for a call running when an in-flight apply left that state) or
+  when the served weights produced a logprob that is not finite (no sample is returned);
+  DEADLINE_EXCEEDED when the caller's deadline passes (the engine aborts the requests).
 - ApplyWeights: PERMISSION_DENIED for a manifest without the MAC of the pod's weights key;
   INVALID_ARGUMENT for a manifest that does not describe this model (names, shapes, dtypes,
   tiling, shard counts over the caps); FAILED_PRECONDITION for a stale or out-of-order version
@@ -17,7 +17,8 @@ Status codes:
   A write that failed part-way answers FAILED_PRECONDITION "needs a full manifest" (the state
   is needs_full; the controller then sends the full manifest), one that failed before vLLM's
   parameters were touched ABORTED (the previous version keeps serving; retry).
-  DEADLINE_EXCEEDED when the apply passed its deadline (see ``VllmEngine``).
+  DEADLINE_EXCEEDED when the apply passed its deadline (see ``VllmEngine``). INVALID_ARGUMENT
+  for ``in_flight`` with ``rollback``.
 - Sleep/WakeUp: FAILED_PRECONDITION where vLLM has no sleep mode (CPU) or it is switched off.
 """
 
@@ -159,6 +160,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                         c.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED
                     ),
                     policy_version=result.policy_version,
+                    last_policy_version=out.last_policy_version,
                 )
         return response
 
@@ -170,8 +172,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest: required")
         try:
             result = self._engine.apply_manifest(
-                request.manifest, context.time_remaining(), rollback=request.rollback
+                request.manifest,
+                context.time_remaining(),
+                rollback=request.rollback,
+                in_flight=request.in_flight,
             )
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ManifestError as err:
             log.warning("manifest version %d rejected: %s", request.manifest.version, err)
             context.abort(err.status_code, str(err))
@@ -185,16 +192,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except (TimeoutError, LockTimeoutError) as err:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"apply weights: {err or 'deadline'}")
         log.info(
-            "applied policy version %d in %.3fs (%s, plan cached: %s)",
+            "applied policy version %d in %.3fs (%s, plan cached: %s, in flight: %s)",
             result.policy_version,
             result.seconds,
             result.mode,
             result.plan_cached,
+            result.in_flight,
         )
         return generator_pb2.ApplyWeightsResponse(
             policy_version=result.policy_version,
             apply_seconds=result.seconds,
             plan_cached=result.plan_cached,
+            in_flight=result.in_flight,
         )
 
     def Sleep(
@@ -249,4 +258,5 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             dtype=gen.dtype,
             sleeping=self._engine.sleeping,
             weight_state=weights.phase.value,
+            in_flight_apply=self._engine.in_flight_apply,
         )

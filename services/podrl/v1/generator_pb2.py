@@ -26,7 +26,7 @@ from podrl.v1 import common_pb2 as podrl_dot_v1_dot_common__pb2
 from podrl.v1 import weights_pb2 as podrl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18podrl/v1/generator.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"t\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.podrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x7f\n\x10GenerateResponse\x12!\n\x07samples\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Sample\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\"S\n\x13\x41pplyWeightsRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\x12\x10\n\x08rollback\x18\x02 \x01(\x08\"Z\n\x14\x41pplyWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bplan_cached\x18\x03 \x01(\x08\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\xc0\x01\n\rGeneratorInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x14\n\x0cweight_state\x18\x08 \x01(\t2\xcc\x02\n\tGenerator\x12\x41\n\x08Generate\x12\x19.podrl.v1.GenerateRequest\x1a\x1a.podrl.v1.GenerateResponse\x12M\n\x0c\x41pplyWeights\x12\x1d.podrl.v1.ApplyWeightsRequest\x1a\x1e.podrl.v1.ApplyWeightsResponse\x12\x38\n\x05Sleep\x12\x16.podrl.v1.SleepRequest\x1a\x17.podrl.v1.SleepResponse\x12;\n\x06WakeUp\x12\x17.podrl.v1.WakeUpRequest\x1a\x18.podrl.v1.WakeUpResponse\x12\x36\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x17.podrl.v1.GeneratorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18podrl/v1/generator.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"t\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.podrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x7f\n\x10GenerateResponse\x12!\n\x07samples\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Sample\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\"f\n\x13\x41pplyWeightsRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\x12\x10\n\x08rollback\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x08\"m\n\x14\x41pplyWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bplan_cached\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\xd9\x01\n\rGeneratorInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x14\n\x0cweight_state\x18\x08 \x01(\t\x12\x17\n\x0fin_flight_apply\x18\t \x01(\t2\xcc\x02\n\tGenerator\x12\x41\n\x08Generate\x12\x19.podrl.v1.GenerateRequest\x1a\x1a.podrl.v1.GenerateResponse\x12M\n\x0c\x41pplyWeights\x12\x1d.podrl.v1.ApplyWeightsRequest\x1a\x1e.podrl.v1.ApplyWeightsResponse\x12\x38\n\x05Sleep\x12\x16.podrl.v1.SleepRequest\x1a\x17.podrl.v1.SleepResponse\x12;\n\x06WakeUp\x12\x17.podrl.v1.WakeUpRequest\x1a\x18.podrl.v1.WakeUpResponse\x12\x36\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x17.podrl.v1.GeneratorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=203
   _globals['_GENERATERESPONSE']._serialized_end=330
   _globals['_APPLYWEIGHTSREQUEST']._serialized_start=332
-  _globals['_APPLYWEIGHTSREQUEST']._serialized_end=415
-  _globals['_APPLYWEIGHTSRESPONSE']._serialized_start=417
-  _globals['_APPLYWEIGHTSRESPONSE']._serialized_end=507
-  _globals['_SLEEPREQUEST']._serialized_start=509
-  _globals['_SLEEPREQUEST']._serialized_end=538
-  _globals['_SLEEPRESPONSE']._serialized_start=540
-  _globals['_SLEEPRESPONSE']._serialized_end=555
-  _globals['_WAKEUPREQUEST']._serialized_start=557
-  _globals['_WAKEUPREQUEST']._serialized_end=572
-  _globals['_WAKEUPRESPONSE']._serialized_start=574
-  _globals['_WAKEUPRESPONSE']._serialized_end=590
-  _globals['_GENERATORINFO']._serialized_start=593
-  _globals['_GENERATORINFO']._serialized_end=785
-  _globals['_GENERATOR']._serialized_start=788
-  _globals['_GENERATOR']._serialized_end=1120
+  _globals['_APPLYWEIGHTSREQUEST']._serialized_end=434
+  _globals['_APPLYWEIGHTSRESPONSE']._serialized_start=436
+  _globals['_APPLYWEIGHTSRESPONSE']._serialized_end=545
+  _globals['_SLEEPREQUEST']._serialized_start=547
+  _globals['_SLEEPREQUEST']._serialized_end=576
+  _globals['_SLEEPRESPONSE']._serialized_start=578
+  _globals['_SLEEPRESPONSE']._serialized_end=593
+  _globals['_WAKEUPREQUEST']._serialized_start=595
+  _globals['_WAKEUPREQUEST']._serialized_end=610
+  _globals['_WAKEUPRESPONSE']._serialized_start=612
+  _globals['_WAKEUPRESPONSE']._serialized_end=628
+  _globals['_GENERATORINFO']._serialized_start=631
+  _globals['_GENERATORINFO']._serialized_end=848
+  _globals['_GENERATOR']._serialized_start=851
+  _globals['_GENERATOR']._serialized_end=1183
 # @@protoc_insertion_point(module_scope)

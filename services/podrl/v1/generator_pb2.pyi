@@ -31,22 +31,26 @@ class GenerateResponse(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ApplyWeightsRequest(_message.Message):
-    __slots__ = ("manifest", "rollback")
+    __slots__ = ("manifest", "rollback", "in_flight")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightManifest
     rollback: bool
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    in_flight: bool
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rollback: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class ApplyWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "apply_seconds", "plan_cached")
+    __slots__ = ("policy_version", "apply_seconds", "plan_cached", "in_flight")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_CACHED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     apply_seconds: float
     plan_cached: bool
-    def __init__(self, policy_version: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., plan_cached: _Optional[bool] = ...) -> None: ...
+    in_flight: bool
+    def __init__(self, policy_version: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., plan_cached: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
@@ -67,7 +71,7 @@ class WakeUpResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GeneratorInfo(_message.Message):
-    __slots__ = ("info", "model", "policy_version", "tensor_parallel_size", "device", "dtype", "sleeping", "weight_state")
+    __slots__ = ("info", "model", "policy_version", "tensor_parallel_size", "device", "dtype", "sleeping", "weight_state", "in_flight_apply")
     INFO_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +80,7 @@ class GeneratorInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_APPLY_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServiceInfo
     model: str
     policy_version: int
@@ -84,4 +89,5 @@ class GeneratorInfo(_message.Message):
     dtype: str
     sleeping: bool
     weight_state: str
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sleeping: _Optional[bool] = ..., weight_state: _Optional[str] = ...) -> None: ...
+    in_flight_apply: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServiceInfo, _Mapping]] = ..., model: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sleeping: _Optional[bool] = ..., weight_state: _Optional[str] = ..., in_flight_apply: _Optional[str] = ...) -> None: ...

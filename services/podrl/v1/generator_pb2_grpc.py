@@ -73,7 +73,8 @@ class GeneratorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ApplyWeights(self, request, context):
-        """Switch to the policy described by a manifest (atomically between generate calls).
+        """Switch to the policy described by a manifest: atomically between generate calls, or with
+        `in_flight` between two engine steps while they run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
