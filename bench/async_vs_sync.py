@@ -28,6 +28,11 @@ load (``uptime``) is recorded before and after each run: on a shared 2-core mach
 generator and the trainer compete for the same cores, so the speedup measured depends on what
 else runs.
 
+``--weight-apply in_flight`` runs the async mode with ``loop.weight_apply: in_flight`` (each
+sync applied in the middle of the producer's batch, docs/controller.md, "In-flight weight
+updates"); its JSON goes to ``async_vs_sync_in_flight.json`` and its async row also counts
+``samples_spanning_versions``.
+
 ``--device cuda`` runs the same on the GPU machine (the demo's model warm-started there, vLLM's
 CUDA engine in bf16 with eager layers, the trainer on the same GPU), where the generator and the
 trainer do not share two cores: ``bash bench/cuda_bench_device.sh async_vs_sync`` writes
@@ -97,7 +102,7 @@ def _config(work: Path, model: Path, mode: str, name: str, args: argparse.Namesp
         sample_seed=args.seed,
     )
     if mode == "async":
-        loop.update(mode="async", max_staleness=1)
+        loop.update(mode="async", max_staleness=1, weight_apply=args.weight_apply)
     path = work / f"run-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -171,6 +176,7 @@ def measure(
     return {
         "mode": mode,
         "max_staleness": 1 if mode == "async" else None,
+        "weight_apply": args.weight_apply if mode == "async" else None,
         "steps": len(steps),
         "steps_trained": summary["steps_trained"],
         "steps_per_s": _rate(timed),
@@ -183,6 +189,9 @@ def measure(
         "final_reward_mean": summary["final_reward_mean"],
         "staleness_histogram": histogram or {"0": sum(s["metrics"]["groups"] for s in steps)},
         "groups_dropped_stale": sum(s["metrics"].get("groups_dropped_stale") or 0 for s in steps),
+        "samples_spanning_versions": sum(
+            s["metrics"].get("samples_spanning_versions") or 0 for s in steps
+        ),
         "samples": sum(s["metrics"]["groups"] for s in steps) * 8,
         "wall_s": round(wall, 1),
         "load_before": load_before,
@@ -202,12 +211,22 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--out", type=Path, help="default bench/results/async_vs_sync.json (_h200 on cuda)"
+        "--weight-apply",
+        choices=("between_batches", "in_flight"),
+        default="between_batches",
+        help="loop.weight_apply of the async runs",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="default bench/results/async_vs_sync.json (_in_flight with --weight-apply "
+        "in_flight, _h200 on cuda)",
     )
     parser.add_argument("--work", type=Path, help="keep the runs (logs, databases) here")
     args = parser.parse_args()
     if args.out is None:
-        suffix = "" if args.device == "cpu" else "_h200"
+        suffix = "_in_flight" if args.weight_apply == "in_flight" else ""
+        suffix += "" if args.device == "cpu" else "_h200"
         args.out = REPO / f"bench/results/async_vs_sync{suffix}.json"
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="podrl-async-") as tmp:

@@ -325,6 +325,10 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     overlaps: int = 0
     """ApplyWeights calls that arrived while a Generate was running (the controller must apply
     weights between generation batches only)."""
+    applied_in_flight: list[bool] = field(default_factory=list)
+    """ApplyWeightsRequest.in_flight of every ApplyWeights, in order. One with in_flight lands
+    at once, also during a Generate: that call's samples report the version it brought as their
+    last_policy_version, as the real generator's do."""
     max_running: int = 0
     """The most Generate calls that ran at once."""
     asleep: bool = False
@@ -361,6 +365,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     def _generate(self, request: generator_pb2.GenerateRequest) -> generator_pb2.GenerateResponse:
         if self.on_generate is not None:
             self.on_generate()
+        first = self.version
         time.sleep(self.generate_seconds)
         samples = []
         for prompt in request.prompts:
@@ -377,9 +382,10 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
                         text=text,
                         logprobs=[-0.5] * len(tokens),
                         finish_reason=common_pb2.FINISH_REASON_STOP,
-                        policy_version=self.version
+                        policy_version=first
                         if self.version_of is None
-                        else self.version_of(prompt.id, self.version),
+                        else self.version_of(prompt.id, first),
+                        last_policy_version=self.version if self.version_of is None else 0,
                     )
                 )
         return generator_pb2.GenerateResponse(samples=samples)
@@ -390,6 +396,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.calls.append("ApplyWeights")
         self._refuse_asleep(context)
         self.applied.append(request.manifest)
+        self.applied_in_flight.append(request.in_flight)
         with self._count_lock:
             self.overlaps += self._running > 0
         if request.manifest.version_only and self.weight_state == "needs_full":
@@ -397,7 +404,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "the generator needs a full manifest"
             )
         self.version, self.weight_state = request.manifest.version, "idle"
-        return generator_pb2.ApplyWeightsResponse(policy_version=self.version)
+        return generator_pb2.ApplyWeightsResponse(
+            policy_version=self.version, in_flight=request.in_flight
+        )
 
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext

@@ -20,8 +20,11 @@ def test_the_default_is_sync_and_async_defaults_to_max_staleness_one(tmp_path: P
     assert load_config(env={}).loop.mode == "sync"
     config = _load(tmp_path, "  mode: async\n")
     assert (config.loop.mode, config.loop.max_staleness) == ("async", 1)
+    assert config.loop.weight_apply == "between_batches"
     config = _load(tmp_path, "  mode: async\n  max_staleness: 0\n")
     assert config.loop.max_staleness == 0
+    config = _load(tmp_path, "  mode: async\n  weight_apply: in_flight\n")
+    assert config.loop.weight_apply == "in_flight"
     assert _load(tmp_path, "", {"PODRL_LOOP__MODE": "async"}).loop.mode == "async"
 
 
@@ -40,6 +43,14 @@ def test_the_default_is_sync_and_async_defaults_to_max_staleness_one(tmp_path: P
         (
             "  max_staleness: 2\n",
             ["loop.max_staleness (2) is set but loop.mode is sync", "set loop.mode: async"],
+        ),
+        (
+            "  weight_apply: in_flight\n",
+            ["loop.weight_apply is in_flight but loop.mode is sync", "set loop.mode: async"],
+        ),
+        (
+            "  mode: async\n  weight_apply: mid_batch\n",
+            ["loop.weight_apply", "'between_batches' or 'in_flight'"],
         ),
     ],
 )

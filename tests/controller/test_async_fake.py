@@ -124,6 +124,47 @@ def test_the_trainers_publish_during_a_batch_and_the_generators_apply_after_it(
     _check_every_prompt_once(run["samples"], STEPS)
 
 
+def test_in_flight_weight_updates_land_mid_batch_and_samples_record_both_versions(
+    cluster: Cluster,
+) -> None:
+    """loop.weight_apply: in_flight: each sync is applied while the producer's batch runs (no
+    gate), the samples it interrupted record both versions, and staleness is judged by the
+    older one; nothing is lost or trained twice."""
+    pod = cluster.add("pod-0")
+    pod.generator.generate_seconds = 0.3
+    pod.trainer.train_seconds = 0.05
+    run = cluster.run(steps=STEPS, mode="async", max_staleness=1, weight_apply="in_flight")
+    assert run["state"].phase == "finished", run["state"].error
+    assert pod.generator.applied_in_flight and all(pod.generator.applied_in_flight)
+    assert pod.generator.overlaps > 0  # applied in the middle of a batch
+    records = {record.step: record for record in run["steps"]}
+    spanning = []
+    for row in run["samples"]:
+        trained_at = records[row["step"]].policy_version - 1
+        assert row["policy_version"] <= row["last_policy_version"] <= trained_at
+        if row["last_policy_version"] > row["policy_version"]:
+            spanning.append(row)
+    assert spanning, "no sample spanned two versions"
+    assert max(_staleness_of_trained(run)) <= 1  # by the oldest version of each sample
+    figures = [record.metrics["samples_spanning_versions"] for record in run["steps"]]
+    assert sum(figures) == len(spanning)
+    rollout = run["state"].view().rollout
+    assert rollout.weight_apply == "in_flight"
+    assert rollout.samples_spanning_versions == len(spanning)
+    _check_every_prompt_once(run["samples"], STEPS)
+
+
+def test_between_batches_no_sample_spans_versions(cluster: Cluster) -> None:
+    pod = cluster.add("pod-0")
+    pod.generator.generate_seconds = 0.3
+    pod.trainer.train_seconds = 0.05
+    run = cluster.run(steps=STEPS, mode="async", max_staleness=1)
+    assert run["state"].phase == "finished", run["state"].error
+    assert not any(pod.generator.applied_in_flight) and pod.generator.overlaps == 0
+    assert all(row["last_policy_version"] == row["policy_version"] for row in run["samples"])
+    assert all(record.metrics["samples_spanning_versions"] == 0 for record in run["steps"])
+
+
 def _by_step(run: dict[str, Any]) -> list[tuple[int, str, int, bool]]:
     return sorted(
         (row["step"], row["prompt_id"], row["policy_version"], row["trained"])

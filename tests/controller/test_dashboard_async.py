@@ -21,12 +21,18 @@ from tests.controller.rest_server import served_rest_app
 from tests.controller.test_dashboard import CHROMIUM, _chromium
 
 
-def _async_state(tmp_path: Path) -> tuple[RunState, RunStore]:
+def _async_state(
+    tmp_path: Path, weight_apply: str = "between_batches"
+) -> tuple[RunState, RunStore]:
     registry = MemberRegistry(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
     state = RunState("async-dash", registry, min_worker_pods=1, steps_total=10)
-    state.set_rollout(RolloutView(mode="async", max_staleness=1, buffer_capacity_groups=32))
+    state.set_rollout(
+        RolloutView(
+            mode="async", max_staleness=1, buffer_capacity_groups=32, weight_apply=weight_apply
+        )
+    )
     state.buffer_fill = lambda: (1, 16)
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 5):
@@ -36,6 +42,7 @@ def _async_state(tmp_path: Path) -> tuple[RunState, RunStore]:
             "staleness_histogram": {"0": 16} if step == 1 else {"1": 15},
             "groups_dropped_stale": 0 if step == 1 else 1,
             "samples_dropped_stale": 0 if step == 1 else 8,
+            "samples_spanning_versions": 5 if weight_apply == "in_flight" else 0,
         }
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, metrics["phase_seconds"], metrics)
@@ -58,7 +65,19 @@ def test_status_shows_the_buffer_staleness_and_stale_drops(tmp_path: Path) -> No
         "staleness_histogram": {"0": 16, "1": 45},
         "groups_dropped_stale": 3,
         "samples_dropped_stale": 24,
+        "weight_apply": "between_batches",
+        "samples_spanning_versions": 0,
     }
+
+
+def test_status_counts_the_samples_that_spanned_versions(tmp_path: Path) -> None:
+    state, store = _async_state(tmp_path, weight_apply="in_flight")
+    try:
+        rollout = TestClient(build_rest_app(state, store)).get("/v1/status").json()["rollout"]
+    finally:
+        store.close()
+    assert rollout["weight_apply"] == "in_flight"
+    assert rollout["samples_spanning_versions"] == 4 * 5
 
 
 def test_metrics_export_the_buffer_and_staleness(tmp_path: Path) -> None:
@@ -80,15 +99,17 @@ def test_metrics_export_the_buffer_and_staleness(tmp_path: Path) -> None:
         assert name in text, name
 
 
-@pytest.fixture
-def served_async_run(tmp_path: Path) -> Iterator[str]:
-    state, store = _async_state(tmp_path)
+@pytest.fixture(params=["between_batches", "in_flight"])
+def served_async_run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    state, store = _async_state(tmp_path, request.param)
     with served_rest_app(state, store) as url:
         yield url
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-def test_dashboard_shows_the_rollout_buffer(served_async_run: str, tmp_path: Path) -> None:
+def test_dashboard_shows_the_rollout_buffer(
+    served_async_run: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     dom = _chromium("--dump-dom", f"{served_async_run}/dashboard", user_dir=tmp_path / "p").stdout
 
     def text_of(element_id: str) -> str:
@@ -96,7 +117,12 @@ def test_dashboard_shows_the_rollout_buffer(served_async_run: str, tmp_path: Pat
         assert found, f"#{element_id} missing from the rendered page"
         return found.group(1)
 
-    assert text_of("rollout-buffer") == "16 / 32 (async, k = 1)"
+    if "in_flight" in request.node.callspec.id:
+        assert text_of("rollout-buffer") == (
+            "16 / 32 (async, k = 1, weights in flight: 20 samples spanned versions)"
+        )
+    else:
+        assert text_of("rollout-buffer") == "16 / 32 (async, k = 1)"
     assert text_of("stale-dropped") == "3 (24 samples)"
     assert text_of("staleness") == "0: 16, 1: 45"
     assert 'data-series="1 behind">1 behind: 15.00<' in dom

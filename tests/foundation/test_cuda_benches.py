@@ -32,7 +32,7 @@ def test_the_cuda_run_shares_one_gpu_over_gloo_with_the_cpu_runs_workload(tmp_pa
 
 
 def test_the_async_bench_runs_the_demo_on_either_device_with_the_same_loop(tmp_path: Path) -> None:
-    args = argparse.Namespace(steps=100, eval_every=50, seed=0)
+    args = argparse.Namespace(steps=100, eval_every=50, seed=0, weight_apply="between_batches")
     loaded = {}
     for device in ("cpu", "cuda"):
         args.device = device
@@ -43,3 +43,13 @@ def test_the_async_bench_runs_the_demo_on_either_device_with_the_same_loop(tmp_p
     assert (cpu.generator.dtype, cuda.generator.dtype) == ("float32", "bfloat16")
     assert cpu.loop == cuda.loop
     assert cuda.loop.mode == "async" and cuda.loop.max_staleness == 1
+
+
+def test_the_async_bench_runs_in_flight_weight_updates_when_asked(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        steps=100, eval_every=50, seed=0, weight_apply="in_flight", device="cpu"
+    )
+    path = async_vs_sync._config(tmp_path, tmp_path / "warm", "async", "in-flight", args)
+    assert load_config(path, env={}).loop.weight_apply == "in_flight"
+    path = async_vs_sync._config(tmp_path, tmp_path / "warm", "sync", "sync", args)
+    assert load_config(path, env={}).loop.weight_apply == "between_batches"

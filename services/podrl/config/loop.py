@@ -59,6 +59,17 @@ class LoopConfig(Section):
         "(groups_dropped_stale). The producer runs at most this many steps ahead of the step "
         "being trained. 0 = the synchronous order exactly (same prompts, same versions).",
     )
+    weight_apply: Literal["between_batches", "in_flight"] = Field(
+        "between_batches",
+        description="async only: when a weight sync reaches a pod's generator. "
+        "between_batches: between two of the producer's generation batches (each sync waits "
+        "for the batch running), so every sample is sampled by one policy version. in_flight: "
+        "at once, between two engine steps of the running batch (vLLM's scheduler paused in "
+        "keep mode where its engine core runs in a process of its own); samples running then "
+        "finish on the new weights, their KV cache recomputed, and record both versions "
+        "(policy_version .. last_policy_version in samples.jsonl); staleness is judged by the "
+        'oldest (docs/controller.md, "In-flight weight updates").',
+    )
     generator_memory: Literal["resident", "sleep_during_train"] = Field(
         "resident",
         description="How a pod's trainer and generator share an accelerator. resident: both "
@@ -139,6 +150,16 @@ class LoopConfig(Section):
                 f"loop.max_staleness ({self.max_staleness}) is set but loop.mode is sync, which "
                 "never trains on stale samples: set loop.mode: async, or remove "
                 "loop.max_staleness"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_weight_apply(self) -> LoopConfig:
+        if self.mode == "sync" and self.weight_apply == "in_flight":
+            raise ValueError(
+                "loop.weight_apply is in_flight but loop.mode is sync, whose generators never "
+                "sample while weights are synced; set loop.mode: async, or remove "
+                "loop.weight_apply"
             )
         return self
 

@@ -6,15 +6,17 @@ The producer (rollout_buffer.py) draws, generates and scores the next steps, at 
 producer, drops the groups older than ``max_staleness`` versions, trains it with the loop's own
 Train (GrpoLoop.train_batch), syncs the weights (each ApplyWeights holding the generator gate,
 so weights reach the generators between their batches), aligns the next step (holding the gate
-too), tells the producer the step is done, and records it while the next batch generates. A
-failed batch is retried with the same prompts, a Train answered "not applied" with the same
-batch.
+too), tells the producer the step is done, and records it while the next batch generates. With
+``loop.weight_apply: in_flight`` the sync and the align hold no gate: the generators apply in
+the middle of the running batch. A failed batch is retried with the same prompts, a Train
+answered "not applied" with the same batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from podrl.controller import loop_metrics as metrics
@@ -67,6 +69,7 @@ class AsyncSteps:
                 mode="async",
                 max_staleness=self.config.max_staleness,
                 buffer_capacity_groups=capacity,
+                weight_apply=self.config.weight_apply,
             )
         )
         metrics.BUFFER_CAPACITY_GROUPS.set(capacity)
@@ -131,8 +134,12 @@ class AsyncSteps:
 
     # -- the loop's step -------------------------------------------------------------------------
     def _align(self, expected: int) -> None:
-        """A step boundary, holding the generator gate (between two batches)."""
-        with self.gate.loop():
+        """A step boundary, holding the generator gate (between two batches); with
+        ``loop.weight_apply: in_flight`` without it: its applies land in flight, a rollback
+        takes the gate itself (WeightSync), and a batch already running keeps the pods it
+        started with, as when a pod leaves mid-batch."""
+        held = nullcontext() if self.loop.weights.in_flight else self.gate.loop()
+        with held:
             self.loop.timed("align", {}, lambda: self.loop.boundary.align(expected))
 
     def run_step(self, attempt: int) -> StepRecord | None:
@@ -178,9 +185,10 @@ class AsyncSteps:
             timings,
         )
         loop.recorder.write_samples(step, scored.data, trained.sample_ids)
-        # Each ApplyWeights holds the generator gate (WeightSync's `applying`); the publish
-        # before it overlaps the producer's batch. The step is done for the producer once the
-        # generators are aligned for the next one; its record is written while that batch runs.
+        # Each ApplyWeights holds the generator gate (WeightSync's `applying`; none in flight);
+        # the publish before it overlaps the producer's batch. The step is done for the
+        # producer once the generators are aligned for the next one; its record is written
+        # while that batch runs.
         sync_seconds = loop.sync_weights(trained.outcome, trained.version, timings)
         if step < self.config.steps:
             try:
@@ -203,4 +211,5 @@ class AsyncSteps:
                 metrics.GROUP_STALENESS.observe(int(lag))
         metrics.STALE_GROUPS_DROPPED.inc(figures.get("groups_dropped_stale") or 0)
         metrics.STALE_SAMPLES_DROPPED.inc(figures.get("samples_dropped_stale") or 0)
+        metrics.SAMPLES_SPANNING_VERSIONS.inc(figures.get("samples_spanning_versions") or 0)
         self.loop.state.count_staleness(figures)

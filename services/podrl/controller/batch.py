@@ -205,8 +205,16 @@ def train_request(
 
 
 def group_version(data: StepSamples, prompt_id: str) -> int:
-    """The policy version that sampled a prompt's group (one Generate call: one version)."""
+    """The policy version that sampled a prompt's group (one Generate call: one version; with
+    in-flight weight updates the oldest of its versions, the one staleness is judged by)."""
     return data.samples[prompt_id][0].policy_version
+
+
+def last_version(sample: common_pb2.Sample) -> int:
+    """The newest version that may have sampled a token of ``sample`` (its policy_version
+    unless a weight update landed in flight while it ran; 0 from a generator without in-flight
+    applies)."""
+    return max(sample.policy_version, sample.last_policy_version)
 
 
 @dataclass(frozen=True)
@@ -222,23 +230,29 @@ class StaleSplit:
     """Prompt ids of the groups dropped as too old, in draw order."""
     stale_samples: int
     """Samples of those groups."""
+    spanning_samples: int = 0
+    """Samples of the kept groups that more than one version sampled (a weight update landed
+    in flight while they ran)."""
 
     def figures(self) -> dict[str, Any]:
         """Step-record figures: ``staleness_histogram`` (versions behind → groups kept),
-        ``groups_dropped_stale`` and ``samples_dropped_stale``."""
+        ``groups_dropped_stale``, ``samples_dropped_stale`` and
+        ``samples_spanning_versions``."""
         dropped = set(self.stale)
         histogram = Counter(lag for pid, lag in self.staleness.items() if pid not in dropped)
         return {
             "staleness_histogram": {str(lag): n for lag, n in sorted(histogram.items())},
             "groups_dropped_stale": len(self.stale),
             "samples_dropped_stale": self.stale_samples,
+            "samples_spanning_versions": self.spanning_samples,
         }
 
 
 def split_stale(data: StepSamples, current_version: int, max_staleness: int) -> StaleSplit:
     """Leave out the groups sampled by a version older than ``current_version -
-    max_staleness`` (pure). A group sampled by a version newer than the trainers' cannot come
-    from this run's trainers: ``StepFailedError`` (the attempt is retried)."""
+    max_staleness`` (pure; a group that several versions sampled is judged by the oldest). A
+    group sampled by a version newer than the trainers' cannot come from this run's trainers:
+    ``StepFailedError`` (the attempt is retried)."""
     staleness: dict[str, int] = {}
     for item in data.items:
         version = group_version(data, item.id)
@@ -257,7 +271,14 @@ def split_stale(data: StepSamples, current_version: int, max_staleness: int) -> 
         scores=data.scores,
         pod_of=data.pod_of,
     )
-    return StaleSplit(fresh, staleness, stale, sum(len(data.samples[pid]) for pid in stale))
+    spanning = sum(
+        last_version(sample) > sample.policy_version
+        for item in fresh.items
+        for sample in data.samples[item.id]
+    )
+    return StaleSplit(
+        fresh, staleness, stale, sum(len(data.samples[pid]) for pid in stale), spanning
+    )
 
 
 def with_stale_figures(batch: TrainBatch, split: StaleSplit) -> TrainBatch:

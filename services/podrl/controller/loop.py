@@ -122,7 +122,10 @@ class GrpoLoop:
         """Who may use the generators; only async mode's producer contends for it."""
         asynchronous = config.loop.mode == "async"
         self.weights = WeightSync(
-            clients, self._pool, applying=self.gate.loop if asynchronous else nullcontext
+            clients,
+            self._pool,
+            applying=self.gate.loop if asynchronous else nullcontext,
+            in_flight=config.loop.weight_apply == "in_flight",
         )
         self.boundary = StepBoundary(
             state, self.roster, clients, self._pool, self.train_phase, self.weights

@@ -64,3 +64,7 @@ STALE_GROUPS_DROPPED = Counter(
 STALE_SAMPLES_DROPPED = Counter(
     "podrl_stale_samples_dropped_total", "Samples of the groups dropped as stale."
 )
+SAMPLES_SPANNING_VERSIONS = Counter(
+    "podrl_samples_spanning_versions_total",
+    "Samples trained on that more than one policy version sampled (in-flight weight updates).",
+)

@@ -15,7 +15,7 @@ from typing import Any
 
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.batch import StepSamples, TrainBatch, is_valid, sample_id
+from podrl.controller.batch import StepSamples, TrainBatch, is_valid, last_version, sample_id
 from podrl.controller.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
 from podrl.controller.resume import RecoveredStep
 from podrl.controller.roster import pod_order
@@ -100,6 +100,7 @@ class StepRecorder:
                 "completion": sample.text,
                 "finish_reason": common_pb2.FinishReason.Name(sample.finish_reason),
                 "policy_version": sample.policy_version,
+                "last_policy_version": last_version(sample),
                 "reward": score.reward if valid else None,
                 "components": dict(score.components) if valid else {},
                 "score_error": None if valid else grader_pb2.ScoreError.Name(score.error),

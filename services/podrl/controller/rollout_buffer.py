@@ -13,7 +13,9 @@ The parts, read in this order:
   while the loop waits) around each ``ApplyWeights`` of a weight sync (the trainers' publish
   and acknowledgment need no generator), for the step boundary (align: pods admitted,
   generators brought to their trainers' version) and for evaluations. So weights are applied
-  to each pod's generator between its generation batches, never in the middle of one.
+  to each pod's generator between its generation batches, never in the middle of one; with
+  ``loop.weight_apply: in_flight`` the syncs and aligns take no gate (the generators apply in
+  the middle of a batch, ``podrl.generator.in_flight``), evaluations still do.
 - :class:`RolloutProducer`: the producer's two threads and the buffer. The generating thread
   draws each step's prompts from the task source in step order (one ``next_prompts`` call per
   step, as the synchronous loop does) and generates them; the scoring thread scores the batches

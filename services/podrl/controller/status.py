@@ -60,6 +60,14 @@ class RolloutView(BaseModel):
         0, description="Groups dropped as older than max_staleness versions, over the run."
     )
     samples_dropped_stale: int = Field(0, description="Their samples.")
+    weight_apply: str | None = Field(
+        None, description="loop.weight_apply in async mode: between_batches or in_flight."
+    )
+    samples_spanning_versions: int = Field(
+        0,
+        description="Samples of the groups kept that more than one policy version sampled (a "
+        "weight update landed in flight while they ran), over the run.",
+    )
 
 
 class RunStatusView(BaseModel):
@@ -190,6 +198,8 @@ class RunState:
                     + (figures.get("groups_dropped_stale") or 0),
                     "samples_dropped_stale": self.rollout.samples_dropped_stale
                     + (figures.get("samples_dropped_stale") or 0),
+                    "samples_spanning_versions": self.rollout.samples_spanning_versions
+                    + (figures.get("samples_spanning_versions") or 0),
                 }
             )
 

@@ -47,6 +47,7 @@ class WeightSync:
         pool: ThreadPoolExecutor,
         stop: threading.Event | None = None,
         applying: Callable[[], AbstractContextManager[object]] = nullcontext,
+        in_flight: bool = False,
     ) -> None:
         self._clients = clients
         self._pool = pool
@@ -56,6 +57,9 @@ class WeightSync:
         """Held around every ``ApplyWeights`` (async mode: the loop's side of the generator
         gate, so a generator is never given weights in the middle of a batch); the trainers'
         publish and acknowledgment run outside it."""
+        self.in_flight = in_flight
+        """``loop.weight_apply: in_flight``: every ApplyWeights but a rollback asks the
+        generator to apply while its Generate calls run, and holds nothing here."""
 
     def sync(
         self, pod: Pod, version: int, force_full: bool = False, rollback: bool = False
@@ -65,8 +69,9 @@ class WeightSync:
         back to a checkpoint)."""
         trainer = self._clients.trainer(pod.trainer)
         manifest = self._publish(pod, trainer, version, force_full or rollback)
-        with self._applying():
-            self._apply(pod, trainer, version, manifest, rollback)
+        in_flight = self.in_flight and not rollback  # a rollback lands between batches
+        with nullcontext() if in_flight else self._applying():
+            self._apply(pod, trainer, version, manifest, rollback, in_flight)
         self._acknowledge(pod, trainer, version)
 
     def _apply(
@@ -76,9 +81,12 @@ class WeightSync:
         version: int,
         manifest: weights_pb2.WeightManifest,
         rollback: bool,
+        in_flight: bool,
     ) -> None:
         stub = self._clients.generator(pod.generator)
-        request = generator_pb2.ApplyWeightsRequest(manifest=manifest, rollback=rollback)
+        request = generator_pb2.ApplyWeightsRequest(
+            manifest=manifest, rollback=rollback, in_flight=in_flight
+        )
         try:
             stub.ApplyWeights(request, timeout=self._clients.long)
         except grpc.RpcError as err:
@@ -90,7 +98,8 @@ class WeightSync:
             full = self._publish(pod, trainer, version, force_full=True)
             try:
                 stub.ApplyWeights(
-                    generator_pb2.ApplyWeightsRequest(manifest=full), timeout=self._clients.long
+                    generator_pb2.ApplyWeightsRequest(manifest=full, in_flight=in_flight),
+                    timeout=self._clients.long,
                 )
             except grpc.RpcError as err:
                 raise StepFailedError(
