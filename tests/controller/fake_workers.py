@@ -315,6 +315,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     """Prompt ids of every Generate call, in order."""
     on_generate: Callable[[], None] | None = None
     """Runs at the start of each Generate call (e.g. the pod is drained or killed meanwhile)."""
+    on_apply: Callable[[], None] | None = None
+    """Runs at the start of each ApplyWeights call."""
     applied: list[weights_pb2.WeightManifest] = field(default_factory=list)
     """Every manifest ApplyWeights got, in order."""
     version_of: Callable[[str, int], int] | None = None
@@ -394,6 +396,8 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
     ) -> generator_pb2.ApplyWeightsResponse:
         self.calls.append("ApplyWeights")
+        if self.on_apply is not None:
+            self.on_apply()
         self._refuse_asleep(context)
         self.applied.append(request.manifest)
         self.applied_in_flight.append(request.in_flight)

@@ -163,3 +163,21 @@ def test_a_pod_may_get_an_empty_share_and_every_request_carries_the_totals() -> 
         (2, 5, 3)
     }
     assert sum(len(r.sequences) for r in requests) == 2
+
+
+def test_a_sample_spanning_versions_is_judged_by_its_oldest() -> None:
+    """A group sampled from version 5 on, finished under 7 (an in-flight update): at version 7
+    with max_staleness 1 it is 2 versions old, so dropped; the one from 6 to 7 is kept and
+    its samples counted as spanning versions. A generator without in-flight applies leaves
+    last_policy_version 0: read as policy_version."""
+    from podrl.controller.batch import last_version, split_stale
+
+    data = _step({"old": [(1.0, 0), (0.0, 0)], "mid": [(1.0, 0), (0.0, 0)], "one": [(1.0, 0)]})
+    for pid, (first, last) in {"old": (5, 7), "mid": (6, 7), "one": (7, 0)}.items():
+        for sample in data.samples[pid]:
+            sample.policy_version, sample.last_policy_version = first, last
+    split = split_stale(data, current_version=7, max_staleness=1)
+    assert split.stale == ["old"]
+    assert split.staleness == {"old": 2, "mid": 1, "one": 0}
+    assert split.figures()["samples_spanning_versions"] == 2
+    assert last_version(data.samples["one"][0]) == 7

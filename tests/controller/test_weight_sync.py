@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,35 @@ def test_a_generator_needing_a_full_manifest_mid_sync_is_sent_one(
         (4, False),
     ]
     assert pod.generator.version == 4
+
+
+def test_in_flight_syncs_hold_no_gate_and_rollbacks_do(pod: FakePod) -> None:
+    """loop.weight_apply: in_flight: ApplyWeights asks for an in-flight apply outside the
+    `applying` context (the generator gate); a rollback is applied between batches, inside it,
+    and never asks for in flight (the generator refuses that pair)."""
+    held: list[bool] = []
+    inside = False
+
+    @contextmanager
+    def applying() -> Iterator[None]:
+        nonlocal inside
+        inside = True
+        try:
+            yield
+        finally:
+            inside = False
+
+    clients = WorkerClients(GrpcConfig())
+    pod.generator.on_apply = lambda: held.append(inside)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            sync = WeightSync(clients, pool, applying=applying, in_flight=True)
+            pod.trainer.version = 4
+            sync.sync(pod.pod, 4)
+            pod.generator.version = 5  # ahead of its trainer (restarted from a checkpoint)
+            sync.bring_generator_to(pod.pod, 4)
+    finally:
+        clients.close()
+    assert pod.generator.applied_in_flight == [True, False]
+    assert held == [False, True]
+    assert [m.version for m in pod.generator.applied] == [4, 4]

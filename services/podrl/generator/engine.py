@@ -53,7 +53,6 @@ from podrl.generator import cpu_linear, engine_processes
 from podrl.generator.cpu_linear import CPU_LINEAR_ENV
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.in_flight import (
-    PAUSE_KEEP,
     UNSUPPORTED,
     GenerateSpan,
     RunningGenerates,
@@ -576,45 +575,67 @@ class VllmEngine:
         :meth:`_land_in_flight`, between two engine steps."""
         self._require_weights_resident()
         self._settle_unsettled_apply(deadline)
-        future = asyncio.run_coroutine_threadsafe(self._land_in_flight(args, version), self._loop)
+        if isinstance(self._engine, InlineEngine):
+            land = lambda: self._land_between_steps(args, version)  # noqa: E731
+            future = self._engine.call_between_steps(land)
+        else:
+            future = asyncio.run_coroutine_threadsafe(self._land_paused(args, version), self._loop)
         replies = self._await_apply(future, version, deadline)
         result = self._commit(replies, version)
         result.in_flight = True
         return result
 
-    async def _land_in_flight(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
-        """On the loop thread: pause vLLM's scheduler where the engine core runs elsewhere
-        (keep mode: requests stay), apply, mirror the workers' state before any further step,
-        and after a version change recompute the running requests' KV (the prefix cache reset
-        preempts them); an apply that left needs_full fails the running Generate calls."""
-        paused = self.in_flight_apply == PAUSE_KEEP
-        if paused:
-            await self._engine.pause_generation(mode="keep", clear_cache=False)
+    def _land_between_steps(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+        """In-process engine core, on the loop thread between two engine steps: apply, then
+        what :meth:`_landed` says (no step runs meanwhile)."""
+        before = self._weights
+        try:
+            replies = self._engine.collective_rpc_now("podrl_apply_manifest", args)
+        except Exception as exc:
+            self._not_landed(before, version, exc)
+            raise
+        if self._landed(replies, before, version):
+            self._engine.reset_prefix_cache_now(reset_running_requests=True)
+        return replies
+
+    async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+        """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
+        keep mode (requests stay) around the apply and what :meth:`_landed` says."""
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
         try:
             before = self._weights
             try:
                 replies = await self._engine.collective_rpc("podrl_apply_manifest", args=args)
             except Exception as exc:
-                why = f"applying version {version} in flight: the workers did not answer ({exc})"
-                self._weights = before.needs_full(why)
-                self._running.fail_all(why)
+                self._not_landed(before, version, exc)
                 raise
-            self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
-            if self._weights.phase is WeightPhase.NEEDS_FULL:
-                failed = self._running.fail_all(
-                    f"applying version {version} in flight failed part-way ({self._weights.reason})"
-                )
-                log.error(
-                    "the failed in-flight apply of version %d failed %d Generate calls",
-                    version,
-                    failed,
-                )
-            elif self._weights != before:
+            if self._landed(replies, before, version):
                 await self._engine.reset_prefix_cache(reset_running_requests=True)
             return replies
         finally:
-            if paused:
-                await self._engine.resume_generation()
+            await self._engine.resume_generation()
+
+    def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
+        """Mirror the workers' state before any further engine step. True when the version
+        changed: the running requests' KV blocks must then be recomputed by the new weights
+        (the prefix cache reset preempts them). An apply that left needs_full fails the
+        running Generate calls instead."""
+        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
+        if self._weights.phase is WeightPhase.NEEDS_FULL:
+            failed = self._running.fail_all(
+                f"applying version {version} in flight failed part-way ({self._weights.reason})"
+            )
+            log.error(
+                "the failed in-flight apply of version %d failed %d Generate calls", version, failed
+            )
+            return False
+        return self._weights != before
+
+    def _not_landed(self, before: WeightState, version: int, exc: Exception) -> None:
+        """The workers did not answer: their weights are unknown."""
+        why = f"applying version {version} in flight: the workers did not answer ({exc})"
+        self._weights = before.needs_full(why)
+        self._running.fail_all(why)
 
     def _await_apply(
         self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
