@@ -601,7 +601,14 @@ class VllmEngine:
     async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
         """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
         keep mode (requests stay) around the apply and what :meth:`_landed` says."""
-        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        core = getattr(self._engine, "engine_core", None)
+        if hasattr(core, "pause_scheduler_async"):
+            # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
+            # that aborted requests' last outputs arrive first (keep mode aborts none; an
+            # output still on its way is read with the newer version: a bound, not a lie).
+            await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            await self._engine.pause_generation(mode="keep", clear_cache=False)
         try:
             before = self._weights
             try:
