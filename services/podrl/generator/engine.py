@@ -601,14 +601,11 @@ class VllmEngine:
     async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
         """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
         keep mode (requests stay) around the apply and what :meth:`_landed` says."""
-        core = getattr(self._engine, "engine_core", None)
-        if hasattr(core, "pause_scheduler_async"):
-            # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
-            # that aborted requests' last outputs arrive first (keep mode aborts none; an
-            # output still on its way is read with the newer version: a bound, not a lie).
-            await core.pause_scheduler_async(mode="keep", clear_cache=False)
-        else:
-            await self._engine.pause_generation(mode="keep", clear_cache=False)
+        core = self._engine.engine_core
+        # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
+        # that aborted requests' last outputs arrive first (keep mode aborts none; an output
+        # still on its way is read with the newer version: a bound, not a lie).
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
             before = self._weights
             try:
@@ -620,7 +617,7 @@ class VllmEngine:
                 await self._engine.reset_prefix_cache(reset_running_requests=True)
             return replies
         finally:
-            await self._engine.resume_generation()
+            await core.resume_scheduler_async()
 
     def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
         """Mirror the workers' state before any further engine step. True when the version

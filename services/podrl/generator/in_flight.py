@@ -5,8 +5,8 @@ each sample is produced by one policy version. With it, the apply lands between 
 steps while requests run, as NeMo-RL's in-flight weight updates and SkyRL's keep-mode pause do:
 
 - how it lands depends on where vLLM's engine core runs (:func:`in_flight_apply_kind`): in this
-  process (:class:`~podrl.generator.inline_engine.InlineEngine`) a utility call already runs
-  between two steps on the engine's loop thread; with ``AsyncLLM`` the scheduler is paused in
+  process (:class:`~podrl.generator.inline_engine.InlineEngine`) the apply runs on the engine's
+  loop thread right after the step in progress; with ``AsyncLLM`` the scheduler is paused in
   vLLM's "keep" mode (requests stay where they are), the workers apply, and it resumes;
 - after a version changed, vLLM's prefix cache is reset with its running requests preempted,
   so their KV blocks are recomputed by the new weights: every token sampled after the apply
@@ -46,17 +46,18 @@ class InterruptedGenerateError(WeightsNotServableError):
 
 def in_flight_apply_kind(engine: Any) -> str:
     """How an in-flight apply lands on ``engine``: :data:`BETWEEN_STEPS` for podrl's in-process
-    engine, :data:`PAUSE_KEEP` for an ``AsyncLLM`` whose ``pause_generation`` has vLLM's
-    "keep" mode, :data:`UNSUPPORTED` otherwise (applies then wait for running Generates)."""
+    engine, :data:`PAUSE_KEEP` for an ``AsyncLLM`` whose engine-core client pauses and resumes
+    the scheduler (``pause_scheduler_async``, ``resume_scheduler_async``) with vLLM's "keep"
+    mode, :data:`UNSUPPORTED` otherwise (applies then wait for running Generates)."""
     from podrl.generator.inline_engine import InlineEngine
 
     if isinstance(engine, InlineEngine):
         return BETWEEN_STEPS
-    pause = getattr(engine, "pause_generation", None)
-    if pause is None or not hasattr(engine, "resume_generation"):
+    core = getattr(engine, "engine_core", None)
+    pause = getattr(core, "pause_scheduler_async", None)
+    if pause is None or not hasattr(core, "resume_scheduler_async"):
         return UNSUPPORTED
-    mode = inspect.signature(pause).parameters.get("mode")
-    if mode is None:
+    if "mode" not in inspect.signature(pause).parameters:
         return UNSUPPORTED
     try:
         from vllm.v1.engine import PauseMode
