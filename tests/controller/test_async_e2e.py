@@ -12,7 +12,8 @@ Checked from the run's own records: the run finishes; every step is trained exac
 prompt is lost and none repeated; no trained sample is older than one version (from
 ``samples.jsonl`` and the step records) and some are exactly one behind (the producer ran
 ahead); the drained pod trains no step after its drain; ``/v1/status`` showed the rollout
-buffer.
+buffer. The scenario runs twice: with weights applied between generation batches (the default)
+and with in-flight weight updates (``loop.weight_apply: in_flight``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PROMPTS = 4
 MAX_STALENESS = 1
 
 
-def _config(tmp_path: Path, gate: Path) -> tuple[Path, Path]:
+def _config(tmp_path: Path, gate: Path, weight_apply: str) -> tuple[Path, Path]:
     return write_config(
         tmp_path,
         "async-e2e",
@@ -53,20 +54,23 @@ def _config(tmp_path: Path, gate: Path) -> tuple[Path, Path]:
         loop={
             "mode": "async",
             "max_staleness": MAX_STALENESS,
+            "weight_apply": weight_apply,
             "steps": STEPS,
             "prompts_per_step": PROMPTS,
         },
     )
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp_path = tmp_path_factory.mktemp("async")
+@pytest.fixture(scope="module", params=["between_batches", "in_flight"])
+def scenario(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    tmp_path = tmp_path_factory.mktemp(f"async-{request.param}")
     gate = tmp_path / "slow-steps"
     gate.touch()  # slow steps until the scenario is done
-    config, run_dir = _config(tmp_path, gate)
+    config, run_dir = _config(tmp_path, gate, request.param)
+    observed: dict[str, Any] = {"weight_apply": request.param}
     run = Run(config, run_dir, tmp_path / "podrl-run.log", gate=gate, pods=2)
-    observed: dict[str, Any] = {}
     try:
         in_train = run.wait(
             lambda s: s.get("phase") == "train" and len(training(s)) == 2 and s["step"] >= 2 and s,
@@ -99,6 +103,7 @@ def test_the_async_run_finishes_after_a_trainer_was_killed(scenario: dict[str, A
     rollout = scenario["rollout"]
     assert rollout["mode"] == "async" and rollout["max_staleness"] == MAX_STALENESS
     assert rollout["buffer_capacity_groups"] == (MAX_STALENESS + 1) * PROMPTS
+    assert rollout["weight_apply"] == scenario["weight_apply"]
 
 
 def test_every_step_is_trained_exactly_once(scenario: dict[str, Any]) -> None:
@@ -146,3 +151,18 @@ def test_the_drained_pod_trains_nothing_after_its_drain(scenario: dict[str, Any]
     after = [r for r in trained if r["step"] > scenario["drained_at_step"] + 1]
     assert after and all(r["metrics"]["pods"] == ["local-0"] for r in after)
     assert scenario["drained_at_step"] < STEPS
+
+
+def test_each_sample_records_the_versions_that_sampled_it(scenario: dict[str, Any]) -> None:
+    """From the oldest (policy_version, what staleness is judged by) to the newest that may have
+    sampled a token (last_policy_version), never newer than the trainers' at its step; one
+    version only unless weights were applied in flight."""
+    version_after = {r["step"]: r["policy_version"] for r in scenario["records"]}
+    for row in scenario["samples"]:
+        trained_at = version_after.get(row["step"] - 1, 0)
+        assert row["policy_version"] <= row["last_policy_version"] <= trained_at, row
+        if scenario["weight_apply"] == "between_batches":
+            assert row["last_policy_version"] == row["policy_version"], row
+    spanning = sum(r["last_policy_version"] > r["policy_version"] for r in scenario["samples"])
+    kept = sum(r["metrics"]["samples_spanning_versions"] for r in scenario["records"])
+    assert kept <= spanning  # the step records count the kept groups' samples only
