@@ -25,9 +25,19 @@ from tests.generator.policy import LOGPROB_TOLERANCE, Policy, generate, info
 
 pytestmark = pytest.mark.slow
 
-# Long samples (the tiny model rarely samples its end token), so an apply lands mid-sample.
-LONG = {"n": 4, "max_tokens": 900}
-PROMPTS = ["The quick brown fox", "user: add 2 and 3\nassistant: ", "Once upon", "A B C"]
+# Many long samples (the tiny model rarely samples its end token, and a Generate ends with its
+# longest sample), so an apply lands mid-sample.
+LONG = {"n": 8, "max_tokens": 900}
+PROMPTS = [
+    "The quick brown fox",
+    "user: add 2 and 3\nassistant: ",
+    "Once upon",
+    "A B C",
+    "user: copy abc\nassistant: ",
+    "1 2 3 4",
+    "Hello",
+    "x",
+]
 V_FAILS = 50
 """The version whose in-place copy raises after vLLM's parameters were written."""
 FAULTS = [{"point": "generator.mid_copy", "action": "raise", "version": V_FAILS}]
@@ -66,13 +76,13 @@ def apply(
     version: int,
     in_flight: bool,
     force_full: bool = False,
+    manifest: weights_pb2.WeightManifest | None = None,
 ) -> generator_pb2.ApplyWeightsResponse:
-    """Publish ``version`` of the policy and apply it; the publisher hears the generator."""
+    """Apply ``version`` of the policy (``manifest``, else published now); the publisher hears
+    the generator."""
+    manifest = manifest or policy.manifest(version, force_full=force_full)
     reply = generator.stub.ApplyWeights(
-        generator_pb2.ApplyWeightsRequest(
-            manifest=policy.manifest(version, force_full=force_full), in_flight=in_flight
-        ),
-        timeout=120,
+        generator_pb2.ApplyWeightsRequest(manifest=manifest, in_flight=in_flight), timeout=120
     )
     policy.publisher.acknowledge(version)
     policy.version = version
@@ -105,10 +115,12 @@ class RunningGenerate:
         time.sleep(0.3)  # some tokens sampled by the version before
 
     def _run(self, generator: GeneratorProcess, seed: int) -> None:
+        started = time.monotonic()
         try:
             self.reply = generate(generator, PROMPTS, seed=seed, **LONG)
         except grpc.RpcError as err:
             self.error = err
+        print(f"Generate (seed {seed}) ended after {time.monotonic() - started:.2f} s")
 
     @property
     def running(self) -> bool:
@@ -158,8 +170,9 @@ def test_an_in_flight_apply_lands_mid_sample(generator: GeneratorProcess, policy
     those running at the apply switch to the new weights from one token on."""
     old = policy.version
     policy.perturb(0.3)
+    manifest = policy.manifest(old + 1)
     running = RunningGenerate(generator, seed=11)
-    reply = apply(generator, policy, old + 1, in_flight=True)
+    reply = apply(generator, policy, old + 1, in_flight=True, manifest=manifest)
     assert reply.in_flight and reply.policy_version == old + 1
     assert running.running, "the in-flight apply waited for the running Generate"
     result = running.result()
@@ -178,8 +191,9 @@ def test_without_in_flight_the_apply_waits_for_the_running_generate(
 ) -> None:
     old = policy.version
     policy.perturb(0.3)
+    manifest = policy.manifest(old + 1)
     running = RunningGenerate(generator, seed=13)
-    reply = apply(generator, policy, old + 1, in_flight=False)
+    reply = apply(generator, policy, old + 1, in_flight=False, manifest=manifest)
     assert not reply.in_flight
     assert not running.running
     for sample in running.result().samples:
@@ -191,11 +205,11 @@ def test_a_refused_in_flight_apply_interrupts_nothing(
     generator: GeneratorProcess, policy: Policy
 ) -> None:
     old = policy.version
+    stale = stale_manifest(policy)
     running = RunningGenerate(generator, seed=14)
     with pytest.raises(grpc.RpcError) as err:
         generator.stub.ApplyWeights(
-            generator_pb2.ApplyWeightsRequest(manifest=stale_manifest(policy), in_flight=True),
-            timeout=60,
+            generator_pb2.ApplyWeightsRequest(manifest=stale, in_flight=True), timeout=60
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
     assert "not newer" in err.value.details()
@@ -226,9 +240,11 @@ def test_an_in_flight_apply_that_fails_part_way_fails_the_generate_it_interrupte
     policy.perturb(0.3)
     apply(generator, policy, V_FAILS - 1, in_flight=False, force_full=True)
     policy.perturb(0.3)
+    manifest = policy.manifest(V_FAILS)
     running = RunningGenerate(generator, seed=15)
+    assert running.running
     with pytest.raises(grpc.RpcError) as err:
-        apply(generator, policy, V_FAILS, in_flight=True)
+        apply(generator, policy, V_FAILS, in_flight=True, manifest=manifest)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
     assert "needs a full manifest" in err.value.details()
     running._thread.join(timeout=120)
