@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import math
@@ -53,6 +54,7 @@ from podrl.generator import cpu_linear, engine_processes
 from podrl.generator.cpu_linear import CPU_LINEAR_ENV
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.in_flight import (
+    BETWEEN_STEPS,
     UNSUPPORTED,
     GenerateSpan,
     RunningGenerates,
@@ -572,12 +574,13 @@ class VllmEngine:
         self, args: tuple[Any, ...], version: int, deadline: float | None
     ) -> ApplyResult:
         """The apply while Generate calls may run: the mirror changes on the loop thread, in
-        :meth:`_land_in_flight`, between two engine steps."""
+        :meth:`_land_between_steps` or :meth:`_land_paused`, between two engine steps."""
         self._require_weights_resident()
         self._settle_unsettled_apply(deadline)
-        if isinstance(self._engine, InlineEngine):
-            land = lambda: self._land_between_steps(args, version)  # noqa: E731
-            future = self._engine.call_between_steps(land)
+        if self.in_flight_apply == BETWEEN_STEPS:
+            future = self._engine.call_between_steps(
+                functools.partial(self._land_between_steps, args, version)
+            )
         else:
             future = asyncio.run_coroutine_threadsafe(self._land_paused(args, version), self._loop)
         replies = self._await_apply(future, version, deadline)
