@@ -345,10 +345,14 @@ def test_a_group_newer_than_the_trainers_fails_the_run(cluster: Cluster) -> None
     assert pod.trainer.version == 1  # step 2 never trained
 
 
-def test_evaluations_wait_for_the_producers_batch_and_hold_it_back(cluster: Cluster) -> None:
+@pytest.mark.parametrize("weight_apply", ["between_batches", "in_flight"])
+def test_evaluations_wait_for_the_producers_batch_and_hold_it_back(
+    cluster: Cluster, weight_apply: str
+) -> None:
     """Held-out evaluations (greedy, on the generators) take the generator gate as a weight
     sync does: never during one of the producer's Generate calls, and evaluate the version the
-    trainers hold."""
+    trainers hold. With in-flight weight updates the syncs land mid-batch, evaluations still
+    wait."""
     pods = [cluster.add("pod-0"), cluster.add("pod-1")]
     for pod in pods:
         # Generation slower than training: the producer is mid-batch whenever a step ends, so
@@ -362,13 +366,14 @@ def test_evaluations_wait_for_the_producers_batch_and_hold_it_back(cluster: Clus
         eval_prompts=4,
         eval_every=2,
         task={"split": {"eval": 0.3}},
+        weight_apply=weight_apply,
     )
     assert run["state"].phase == "finished", run["state"].error
     evals = run["state"].view()
     assert evals.evaluations == 3  # before step 1, after step 2, after step 4
     for pod in pods:
-        assert pod.generator.max_running == 1
-        assert pod.generator.overlaps == 0
+        assert pod.generator.max_running == 1  # no evaluation Generate beside the producer's
+        assert (pod.generator.overlaps > 0) == (weight_apply == "in_flight")
     assert max(_staleness_of_trained(run)) <= 2
 
 

@@ -95,6 +95,7 @@ def test_metrics_export_the_buffer_and_staleness(tmp_path: Path) -> None:
         'podrl_trained_group_staleness_bucket{le="1.0"}',
         "podrl_stale_groups_dropped_total",
         "podrl_stale_samples_dropped_total",
+        "podrl_samples_spanning_versions_total",
     ):
         assert name in text, name
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,10 +141,19 @@ def stop_generator(gen: GeneratorProcess, timeout: float = 60) -> int:
     return gen.process.returncode
 
 
-@pytest.fixture(scope="module")
-def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorProcess]:
-    gen = start_generator(tmp_path_factory.mktemp("generator-run"))
+@contextmanager
+def running_generator(
+    run_dir: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[GeneratorProcess]:
+    """:func:`start_generator` for the block, stopped after it (a module fixture's body)."""
+    gen = start_generator(run_dir, extra_env)
     try:
         yield gen
     finally:
         stop_generator(gen)
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorProcess]:
+    with running_generator(tmp_path_factory.mktemp("generator-run")) as gen:
+        yield gen

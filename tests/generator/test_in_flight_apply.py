@@ -20,7 +20,7 @@ import torch
 
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
 from podrl.weights import publish_single_process
-from tests.generator.conftest import GeneratorProcess, start_generator, stop_generator
+from tests.generator.conftest import GeneratorProcess, running_generator
 from tests.generator.policy import LOGPROB_TOLERANCE, Policy, generate, info
 
 pytestmark = pytest.mark.slow
@@ -48,17 +48,14 @@ KINDS = {"in_process": "between_steps", "separate_process": "pause_keep"}
 def generator(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GeneratorProcess]:
-    gen = start_generator(
+    with running_generator(
         tmp_path_factory.mktemp(f"in-flight-{request.param}"),
         extra_env={
             "PODRL_GENERATOR__ENGINE_CORE": request.param,
             "PODRL_FAULTS": json.dumps(FAULTS),
         },
-    )
-    try:
+    ) as gen:
         yield gen
-    finally:
-        stop_generator(gen)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.generator.conftest import GeneratorProcess, start_generator, stop_generator
+from tests.generator.conftest import (
+    GeneratorProcess,
+    running_generator,
+    start_generator,
+    stop_generator,
+)
 from tests.generator.policy import (
     LOGPROB_TOLERANCE,
     BackgroundGenerate,
@@ -51,7 +56,7 @@ FAULTS = [
 
 @pytest.fixture(scope="module")
 def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorProcess]:
-    gen = start_generator(
+    with running_generator(
         tmp_path_factory.mktemp("generator-faults"),
         extra_env={
             "PODRL_FAULTS": json.dumps(FAULTS),
@@ -59,11 +64,8 @@ def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorPro
             # vLLM's layer-wise reload (in_place and repack are tested at the end).
             "PODRL_GENERATOR__WEIGHT_APPLY_MODE": "reload",
         },
-    )
-    try:
+    ) as gen:
         yield gen
-    finally:
-        stop_generator(gen)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ engine-core process runs them. An in-flight weight apply (``podrl.generator.in_f
 needs no pause here: :meth:`InlineEngine.call_between_steps` runs it on the loop thread right
 after the step in progress, and answers its caller from there. (A coroutine submitted to the
 loop would start only two loop iterations later and answer one later still, each iteration one
-engine step: 60-90 ms of a busy demo generator's in-flight apply went there, measured.)
+engine step: most of a busy demo generator's in-flight apply went there, bench/in_flight_apply.py
+and docs/controller.md, "In-flight weight updates".)
 """
 
 from __future__ import annotations
