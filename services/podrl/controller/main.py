@@ -23,6 +23,7 @@ from podrl.controller.scaling import KubernetesScaler, LocalScaler, ReplicaScale
 from podrl.controller.servicer import ControllerServicer
 from podrl.controller.status import RunState
 from podrl.tasks import build_task_source
+from podrl.tasks.prompt_bounds import check_prompts_fit
 from podrl.v1 import controller_pb2_grpc
 
 
@@ -158,6 +159,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     )
     on_drain = []
     if config.loop.steps:
+        check_prompts_fit(config)  # a prompt too long for the model: exit 2, at start
         source = build_task_source(config.tasks)  # a bad task config fails here, at start
         runner = LoopRunner(GrpoLoop(config, state, store, clients, source, roster))
         side_servers.append(runner)
