@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import stat
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
@@ -21,25 +22,36 @@ from podrl.weights.keys import (
 )
 
 
-def _create(path: str, out: multiprocessing.Queue) -> None:
+def _create(path: str, start: Barrier, out: multiprocessing.Queue) -> None:
+    start.wait(timeout=60)  # every process calls create_key_file at the same moment
     out.put(create_key_file(Path(path)).secret)
 
 
+RACERS = 4
+ROUNDS = 10
+
+
 def test_racing_trainers_create_one_key(tmp_path: Path) -> None:
-    """Four processes create the key at once: one file, one key for all, mode 0600."""
-    path = tmp_path / "weights-key"
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    processes = [context.Process(target=_create, args=(str(path), out)) for _ in range(4)]
-    for process in processes:
-        process.start()
-    keys = {out.get(timeout=60) for _ in processes}
-    for process in processes:
-        process.join(timeout=60)
-    assert len(keys) == 1
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-key"]  # no temp files left
-    assert read_key_file(path).secret == keys.pop()
+    """Four processes create the key at once, released together by a barrier, ten times over:
+    one file, one key for all, mode 0600, no temporary file left. (A create that checks for the
+    file and then writes it gives the racers different keys: checked with such a create.)"""
+    context = multiprocessing.get_context("fork")  # no re-import per racer: they start together
+    for round_ in range(ROUNDS):
+        path = tmp_path / f"round-{round_}" / "weights-key"
+        path.parent.mkdir()
+        start, out = context.Barrier(RACERS), context.Queue()
+        processes = [
+            context.Process(target=_create, args=(str(path), start, out)) for _ in range(RACERS)
+        ]
+        for process in processes:
+            process.start()
+        keys = {out.get(timeout=60) for _ in processes}
+        for process in processes:
+            process.join(timeout=60)
+        assert len(keys) == 1, f"round {round_}: {len(keys)} different keys"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert sorted(p.name for p in path.parent.iterdir()) == ["weights-key"]
+        assert read_key_file(path).secret == keys.pop()
 
 
 def test_a_fresh_key_replaces_the_old_one(tmp_path: Path) -> None:
