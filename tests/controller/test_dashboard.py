@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +14,11 @@ from podrl.controller.roster import PodRoster
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
 from tests.controller.rest_server import served_rest_app
+from tests.harness.chromium import chromium, needs_chromium
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 POD_1 = "pod-1"
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
-)
+pytestmark = needs_chromium
 
 
 @pytest.fixture
@@ -59,27 +55,9 @@ def served_run(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-def _chromium(*args: str, user_dir: Path) -> subprocess.CompletedProcess[str]:
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={user_dir}",
-        "--virtual-time-budget=5000",
-    ]
-    return subprocess.run(
-        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=True
-    )
-
-
 def test_dashboard_renders_status_charts_and_workers(served_run: str, tmp_path: Path) -> None:
     url = f"{served_run}/dashboard"
-    dom = _chromium("--dump-dom", url, user_dir=tmp_path / "profile").stdout
+    dom = chromium("--dump-dom", url, user_dir=tmp_path / "profile").stdout
 
     def text_of(element_id: str) -> str:
         found = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
@@ -110,5 +88,5 @@ def test_dashboard_renders_status_charts_and_workers(served_run: str, tmp_path: 
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
-    _chromium(f"--screenshot={shot}", "--window-size=1300,900", url, user_dir=tmp_path / "p2")
+    chromium(f"--screenshot={shot}", "--window-size=1300,900", url, user_dir=tmp_path / "p2")
     assert shot.stat().st_size > 10_000

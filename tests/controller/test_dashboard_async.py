@@ -18,7 +18,7 @@ from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RolloutView, RunState
 from tests.controller.rest_server import served_rest_app
-from tests.controller.test_dashboard import CHROMIUM, _chromium
+from tests.harness.chromium import chromium, needs_chromium
 
 
 def _async_state(
@@ -107,11 +107,11 @@ def served_async_run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator
         yield url
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+@needs_chromium
 def test_dashboard_shows_the_rollout_buffer(
     served_async_run: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    dom = _chromium("--dump-dom", f"{served_async_run}/dashboard", user_dir=tmp_path / "p").stdout
+    dom = chromium("--dump-dom", f"{served_async_run}/dashboard", user_dir=tmp_path / "p").stdout
 
     def text_of(element_id: str) -> str:
         found = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)

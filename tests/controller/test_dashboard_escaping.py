@@ -19,11 +19,9 @@ from podrl.controller.membership import MemberRegistry, MemberView
 from podrl.controller.rest import build_rest_app
 from podrl.controller.run_store import RunStore, StepRecord
 from podrl.controller.status import RunState
-from tests.controller.test_dashboard import CHROMIUM, _chromium
+from tests.harness.chromium import chromium, needs_chromium
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
-)
+pytestmark = needs_chromium
 
 # Each payload, if parsed as HTML, adds an element with id "pwned-<n>" to the page.
 PAYLOADS = {
@@ -92,7 +90,7 @@ def test_hostile_worker_and_task_text_is_shown_as_text(
     """Probe 34: on the old page (innerHTML of the worker rows) the worker id's onerror handler
     ran and added #pwned-1, the address's onload #pwned-2."""
     url = serve_hostile_run({"reward_mean": 0.25, "kl": 0.5})
-    dom = _chromium("--dump-dom", url, user_dir=tmp_path / "p").stdout
+    dom = chromium("--dump-dom", url, user_dir=tmp_path / "p").stdout
     for n in range(1, 5):
         assert f'id="pwned-{n}"' not in dom, f"payload {n} was parsed as HTML"
     # Each payload is on the page, as text: what a user reads is the hostile string itself.
@@ -113,7 +111,7 @@ def test_a_metric_that_is_not_a_number_is_shown_as_unknown(
     url = serve_hostile_run(
         {"reward_mean": "<img src=x onerror=alert(1)>", "loss": "1e3", "kl": 0.5}
     )
-    dom = _chromium("--dump-dom", url, user_dir=tmp_path / "p").stdout
+    dom = chromium("--dump-dom", url, user_dir=tmp_path / "p").stdout
     no_data = 'viewBox="0 0 400 180"><text x="10" y="20" fill="#999">no data yet</text></svg>'
     assert f'<svg id="chart-reward" {no_data}' in dom
     assert f'<svg id="chart-loss" {no_data}' in dom

@@ -15,11 +15,9 @@ from podrl.controller.membership import MemberRegistry
 from podrl.controller.run_store import RunStore
 from podrl.controller.status import RunState
 from tests.controller.rest_server import served_rest_app
-from tests.controller.test_dashboard import CHROMIUM, _chromium
+from tests.harness.chromium import chromium, needs_chromium
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)"
-)
+pytestmark = needs_chromium
 
 
 def _evaluation(step: int, accuracy: float | None, error: str | None = None) -> dict:
@@ -51,7 +49,7 @@ def served(tmp_path: Path) -> Iterator[str]:
 
 
 def test_the_eval_card_and_chart_show_the_evaluations(served: str, tmp_path: Path) -> None:
-    dom = _chromium("--dump-dom", f"{served}/dashboard", user_dir=tmp_path / "profile").stdout
+    dom = chromium("--dump-dom", f"{served}/dashboard", user_dir=tmp_path / "profile").stdout
     card = re.search(r'id="eval-latest"[^>]*>([^<]*)<', dom)
     assert card and card.group(1) == "0.625 (step 100)"
     chart = re.search(r'<svg id="chart-eval"[^>]*>(.*?)</svg>', dom, re.S)

@@ -1,4 +1,4 @@
-"""Fixtures for the weight-transfer tests: a gloo trainer in real processes."""
+"""Fixtures for the weight-transfer tests: a gloo trainer in real processes, a one-process one."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from podrl.common.processes import free_port
 from podrl.v1 import weights_pb2
+from tests.weights.manifest_cases import Trainer
 
 
 class GlooTrainer:
@@ -65,3 +66,11 @@ def gloo_trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GlooTrain
     trainer = GlooTrainer(tmp_path_factory.mktemp("gloo-trainer"))
     yield trainer
     trainer.stop()
+
+
+@pytest.fixture
+def trainer() -> Iterator[Trainer]:
+    """A one-process trainer publishing a tiny Qwen3 with the test weights key."""
+    trainer = Trainer()
+    yield trainer
+    trainer.publisher.close()

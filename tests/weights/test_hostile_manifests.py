@@ -12,81 +12,30 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from podrl.v1 import weights_pb2
 from podrl.weights import (
-    ManifestAssembler,
-    ManifestError,
-    ManifestErrorKind,
-    ModelDescription,
     PublishError,
-    WeightPublisher,
-    WeightReceiver,
-    publish_single_process,
     shm,
 )
 from podrl.weights.codec import contiguous_strides
 from podrl.weights.keys import WeightsKey, manifest_mac
 from podrl.weights.receiver import MAX_SHARDS_PER_TENSOR
-from tests.weights.tiny_qwen3 import CONFIG
-
-Kind = ManifestErrorKind
-DESCRIPTION = ModelDescription.from_hf_config(CONFIG)
-KEY = WeightsKey(b"k" * 32, os.geteuid())
-NORM = "model.norm.weight"
-
-
-class Trainer:
-    def __init__(self, key: WeightsKey | None = KEY) -> None:
-        torch.manual_seed(0)
-        self.params = {n: torch.randn(s) for n, s in DESCRIPTION.params.items()}
-        self.publisher = WeightPublisher(lambda: self.params)
-        self.assembler = ManifestAssembler("trainer-0", key)
-
-    def publish(self, version: int, **kwargs: object) -> weights_pb2.WeightManifest:
-        return publish_single_process(self.publisher, self.assembler, version, **kwargs)
-
-
-@pytest.fixture
-def trainer() -> Iterator[Trainer]:
-    trainer = Trainer()
-    yield trainer
-    trainer.publisher.close()
-
-
-def _receiver(**kwargs: object) -> WeightReceiver:
-    return WeightReceiver(DESCRIPTION, trusted_publisher_id="trainer-0", **kwargs)
-
-
-def _copy(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
-    return weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
-
-
-def _refused(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCode) -> str:
-    """The manifest is refused with ``kind``/``code``; the receiver's buffers are unchanged."""
-    before = (
-        {n: t.clone() for n, t in receiver._cached.destinations.items()} if receiver._cached else {}
-    )
-    with pytest.raises(ManifestError) as error:
-        receiver.apply(manifest)
-    assert error.value.kind is kind, error.value
-    assert error.value.status_code == code
-    for name, tensor in before.items():
-        assert torch.equal(receiver._cached.destinations[name], tensor), name
-    return str(error.value)
-
-
-def _shard(manifest: weights_pb2.WeightManifest, name: str) -> weights_pb2.TensorShard:
-    return next(s for s in manifest.shards if s.name == name)
-
-
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
-DENIED = grpc.StatusCode.PERMISSION_DENIED
-
+from tests.weights.manifest_cases import (
+    DENIED,
+    DESCRIPTION,
+    INVALID,
+    KEY,
+    NORM,
+    PRECONDITION,
+    Kind,
+    assert_refused,
+    copy_manifest,
+    make_receiver,
+    shard_of,
+)
 
 # ---- authenticity (probe 18) ----------------------------------------------------------------
 
@@ -95,20 +44,20 @@ def test_probe_18_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
     """Probe row 18: a manifest from an unrelated process, publisher_id copied from Info, was
     accepted. Without the MAC of the pod's key, with another key's, or changed after signing,
     it is PERMISSION_DENIED; the trainer's own signed manifest applies."""
-    receiver = _receiver(key=KEY)
+    receiver = make_receiver(key=KEY)
     good = trainer.publish(1)
     assert good.mac == manifest_mac(KEY.secret, good)
 
-    unsigned = _copy(good)
+    unsigned = copy_manifest(good)
     unsigned.ClearField("mac")
-    assert "no mac" in _refused(receiver, unsigned, Kind.UNAUTHENTIC, DENIED)
+    assert "no mac" in assert_refused(receiver, unsigned, Kind.UNAUTHENTIC, DENIED)
 
-    other_key = _copy(good)
+    other_key = copy_manifest(good)
     WeightsKey(b"x" * 32, os.geteuid()).sign(other_key)
-    _refused(receiver, other_key, Kind.UNAUTHENTIC, DENIED)
+    assert_refused(receiver, other_key, Kind.UNAUTHENTIC, DENIED)
 
     for change in ("version", "offset", "version_only"):
-        changed = _copy(good)
+        changed = copy_manifest(good)
         if change == "version":
             changed.version = 7
         elif change == "offset":
@@ -116,7 +65,9 @@ def test_probe_18_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
         else:
             changed.version_only = True
             del changed.shards[:]
-        assert "does not match" in _refused(receiver, changed, Kind.UNAUTHENTIC, DENIED), change
+        assert "does not match" in assert_refused(receiver, changed, Kind.UNAUTHENTIC, DENIED), (
+            change
+        )
 
     applied = dict(receiver.apply(good))
     assert torch.equal(applied[NORM], trainer.params[NORM])
@@ -139,8 +90,8 @@ def planted() -> Iterator[Path]:
 
 
 def _point_norm_at(manifest, name: str, segment_nbytes: int) -> weights_pb2.WeightManifest:
-    forged = _copy(manifest)
-    handle = _shard(forged, NORM).storage.shm
+    forged = copy_manifest(manifest)
+    handle = shard_of(forged, NORM).storage.shm
     handle.name, handle.offset, handle.segment_nbytes = name, 0, segment_nbytes
     return forged
 
@@ -154,7 +105,7 @@ def test_probe_20_a_symlink_under_a_segment_name_is_never_followed(
     target.write_bytes(b"\x01" * 4096)
     planted.symlink_to(target)
     forged = _point_norm_at(trainer.publish(1, force_full=True), planted.name, 4096)
-    message = _refused(_receiver(), forged, Kind.STORAGE, PRECONDITION)
+    message = assert_refused(make_receiver(), forged, Kind.STORAGE, PRECONDITION)
     assert NORM in message
 
 
@@ -165,27 +116,29 @@ def test_segments_must_be_regular_files_of_the_trainers_user_and_declared_size(
     user, or of another size than the manifest declares, is refused too."""
     good = trainer.publish(1)
     os.mkfifo(planted, 0o600)
-    _refused(_receiver(), _point_norm_at(good, planted.name, 4096), Kind.STORAGE, PRECONDITION)
+    assert_refused(
+        make_receiver(), _point_norm_at(good, planted.name, 4096), Kind.STORAGE, PRECONDITION
+    )
 
-    message = _refused(
-        _receiver(segment_owner_uid=os.geteuid() + 1), good, Kind.STORAGE, PRECONDITION
+    message = assert_refused(
+        make_receiver(segment_owner_uid=os.geteuid() + 1), good, Kind.STORAGE, PRECONDITION
     )
     assert "belongs to uid" in message
 
-    resized = _copy(good)
+    resized = copy_manifest(good)
     handle = resized.shards[0].storage.shm
     for shard in resized.shards:  # every shard of that segment declares the wrong size
         if shard.storage.shm.name == handle.name:
             shard.storage.shm.segment_nbytes += 64
-    assert "declares" in _refused(_receiver(), resized, Kind.STORAGE, PRECONDITION)
+    assert "declares" in assert_refused(make_receiver(), resized, Kind.STORAGE, PRECONDITION)
 
-    disagreeing = _copy(good)
+    disagreeing = copy_manifest(good)
     first = disagreeing.shards[0].storage.shm
     other = next(s for s in disagreeing.shards[1:] if s.storage.shm.name == first.name).storage.shm
     other.segment_nbytes += 64
-    assert "disagree" in _refused(_receiver(), disagreeing, Kind.SHAPE, INVALID)
+    assert "disagree" in assert_refused(make_receiver(), disagreeing, Kind.SHAPE, INVALID)
 
-    assert dict(_receiver().apply(good))[NORM].equal(trainer.params[NORM])
+    assert dict(make_receiver().apply(good))[NORM].equal(trainer.params[NORM])
 
 
 def test_probe_15_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) -> None:
@@ -193,24 +146,24 @@ def test_probe_15_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) ->
     segment was accepted and served garbage. nbytes must be numel x the dtype's size, and the
     bytes of one tensor may not overlap another's in the segment."""
     good = trainer.publish(1)
-    receiver = _receiver()
+    receiver = make_receiver()
 
-    eight_bytes = _copy(good)
-    shard = _shard(eight_bytes, NORM)
+    eight_bytes = copy_manifest(good)
+    shard = shard_of(eight_bytes, NORM)
     shard.dtype = weights_pb2.DTYPE_FLOAT64
     shard.storage.shm.nbytes = 8
-    assert "nbytes" in _refused(receiver, eight_bytes, Kind.SHAPE, INVALID)
+    assert "nbytes" in assert_refused(receiver, eight_bytes, Kind.SHAPE, INVALID)
 
     # Consistent bytes for float64, but they run into the tensor packed after it.
-    wide = _copy(good)
+    wide = copy_manifest(good)
     shards = sorted(
-        (s for s in wide.shards if s.storage.shm.name == _shard(wide, NORM).storage.shm.name),
+        (s for s in wide.shards if s.storage.shm.name == shard_of(wide, NORM).storage.shm.name),
         key=lambda s: s.storage.shm.offset,
     )
     victim = next(s for s in shards[:-1] if len(s.local_shape) == 1)
     victim.dtype = weights_pb2.DTYPE_FLOAT64
     victim.storage.shm.nbytes *= 2
-    assert "overlap" in _refused(receiver, wide, Kind.SHAPE, INVALID)
+    assert "overlap" in assert_refused(receiver, wide, Kind.SHAPE, INVALID)
 
 
 # ---- bounded work (probe 21) ---------------------------------------------------------------
@@ -218,8 +171,8 @@ def test_probe_15_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) ->
 
 def _row_split(manifest, name: str, rows: int) -> weights_pb2.WeightManifest:
     """``name`` as ``rows`` one-row shards over its own bytes (a legitimate tiling)."""
-    out = _copy(manifest)
-    whole = _shard(out, name)
+    out = copy_manifest(manifest)
+    whole = shard_of(out, name)
     row_bytes = whole.storage.shm.nbytes // whole.local_shape[0]
     for row in range(rows):
         piece = out.shards.add()
@@ -237,36 +190,36 @@ def test_probe_21_shard_counts_are_capped_before_any_shard_is_checked(trainer) -
     90 s). Over the total cap the manifest is refused by its length alone; zero-size blocks
     and more shards per tensor than the cap are refused too."""
     good = trainer.publish(1)
-    receiver = _receiver()
-    flood = _copy(good)
-    template = _shard(flood, NORM)
+    receiver = make_receiver()
+    flood = copy_manifest(good)
+    template = shard_of(flood, NORM)
     for _ in range(16_641):
         empty = flood.shards.add()
         empty.CopyFrom(template)
         empty.local_shape[0] = 0
         empty.storage.shm.nbytes = 0
     assert len(flood.shards) > MAX_SHARDS_PER_TENSOR * len(DESCRIPTION.params)
-    assert "16" in _refused(receiver, flood, Kind.LIMIT, INVALID)
+    assert "16" in assert_refused(receiver, flood, Kind.LIMIT, INVALID)
 
-    one_empty = _copy(good)
+    one_empty = copy_manifest(good)
     extra = one_empty.shards.add()
-    extra.CopyFrom(_shard(one_empty, NORM))
+    extra.CopyFrom(shard_of(one_empty, NORM))
     extra.local_shape[0] = 0
     extra.storage.shm.nbytes = 0
-    assert "empty" in _refused(receiver, one_empty, Kind.SHAPE, INVALID)
+    assert "empty" in assert_refused(receiver, one_empty, Kind.SHAPE, INVALID)
 
     embed = "model.embed_tokens.weight"  # 120 rows
     over = _row_split(good, embed, 120)
     for _ in range(MAX_SHARDS_PER_TENSOR - 119):  # replicas of row 0: 257 shards in all
         replica = over.shards.add()
         replica.CopyFrom(next(s for s in over.shards if s.name == embed))
-    assert str(MAX_SHARDS_PER_TENSOR) in _refused(receiver, over, Kind.LIMIT, INVALID)
+    assert str(MAX_SHARDS_PER_TENSOR) in assert_refused(receiver, over, Kind.LIMIT, INVALID)
 
 
 def test_a_tensor_split_into_many_row_shards_is_tiled_and_copied(trainer) -> None:
     """The grid check accepts a legitimate 120-shard tiling and copies it exactly."""
     manifest = _row_split(trainer.publish(1), "model.embed_tokens.weight", 120)
-    applied = dict(_receiver().apply(manifest))
+    applied = dict(make_receiver().apply(manifest))
     name = "model.embed_tokens.weight"
     assert torch.equal(applied[name], trainer.params[name])
 
@@ -274,8 +227,8 @@ def test_a_tensor_split_into_many_row_shards_is_tiled_and_copied(trainer) -> Non
 def _boxes(manifest, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]):
     """``name`` as the given (offset, shape) blocks, each over the tensor's own bytes start
     (the bytes do not matter: tiling is checked before storage is opened)."""
-    out = _copy(manifest)
-    whole = _shard(out, name)
+    out = copy_manifest(manifest)
+    whole = shard_of(out, name)
     for offset, shape in boxes:
         piece = out.shards.add()
         piece.CopyFrom(whole)
@@ -300,7 +253,7 @@ def _boxes(manifest, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ..
 )
 def test_shards_that_do_not_tile_a_tensor_once_are_refused(trainer, boxes, problem) -> None:
     manifest = _boxes(trainer.publish(1), "model.layers.0.self_attn.q_proj.weight", boxes)
-    assert problem in _refused(_receiver(), manifest, Kind.COVERAGE, INVALID)
+    assert problem in assert_refused(make_receiver(), manifest, Kind.COVERAGE, INVALID)
 
 
 # ---- numbers (probe 23) -------------------------------------------------------------------
@@ -325,7 +278,7 @@ def test_probe_23_non_finite_storage_is_never_copied(trainer) -> None:
     """The receiver checks what it reads, right before the copy: storage that holds NaN (or
     infinity) after it was published is refused, FAILED_PRECONDITION, and the buffers keep
     the version before."""
-    receiver = _receiver()
+    receiver = make_receiver()
     receiver.apply(trainer.publish(1))
     trainer.publisher.acknowledge(1)
     manifest = trainer.publish(2)
@@ -334,6 +287,8 @@ def test_probe_23_non_finite_storage_is_never_copied(trainer) -> None:
         view = next(v for v in staging.views if v.dim() == 2)
         kept = view[0, 0].item()
         view[0, 0] = bad
-        assert "NaN or infinity" in _refused(receiver, manifest, Kind.NON_FINITE, PRECONDITION)
+        assert "NaN or infinity" in assert_refused(
+            receiver, manifest, Kind.NON_FINITE, PRECONDITION
+        )
         view[0, 0] = kept
     assert receiver.apply(manifest).plan_cached
