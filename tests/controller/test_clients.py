@@ -1,4 +1,4 @@
-"""fan_out leaves no call running behind it (B12): a retry never overlaps the call it retries."""
+"""fan_out leaves no call running behind it: a retry never overlaps the call it retries."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The dashboard shows hostile text from workers and tasks as text (probe 34 of the 2026-12-01
-probe: a worker id ``<img src=x onerror=...>`` ran in headless Chromium). Real REST app, real
-Chromium, like tests/controller/test_dashboard.py."""
+"""The dashboard shows hostile text from workers and tasks as text (once a worker id
+``<img src=x onerror=...>`` ran in headless Chromium). Real REST app, real Chromium, like
+tests/controller/test_dashboard.py."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def serve_hostile_run(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], str
 def test_hostile_worker_and_task_text_is_shown_as_text(
     serve_hostile_run: Callable[[dict[str, Any]], str], tmp_path: Path
 ) -> None:
-    """Probe 34: on the old page (innerHTML of the worker rows) the worker id's onerror handler
-    ran and added #pwned-1, the address's onload #pwned-2."""
+    """Before this check: on the old page (innerHTML of the worker rows) the worker id's
+    onerror handler ran and added #pwned-1, the address's onload #pwned-2."""
     url = serve_hostile_run({"reward_mean": 0.25, "kl": 0.5})
     dom = chromium("--dump-dom", url, user_dir=tmp_path / "p").stdout
     for n in range(1, 5):

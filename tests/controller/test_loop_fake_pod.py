@@ -136,7 +136,7 @@ def run_loop(tmp_path: Path, grader_address: str) -> RunLoop:
 def test_a_finished_run_says_finished_everywhere(pod: FakePod, run_loop: RunLoop) -> None:
     run = run_loop(pod)
     assert run["state"].phase == "finished", run["state"].error
-    # probe 49: the summary was written while the phase still said "checkpoint".
+    # before: the summary was written while the phase still said "checkpoint".
     assert run["summary"]["phase"] == "finished"
     assert run["summary"]["steps"] == run["summary"]["steps_trained"] == 3
     assert [s.step for s in run["steps"]] == [1, 2, 3]
@@ -147,7 +147,7 @@ def test_a_finished_run_says_finished_everywhere(pod: FakePod, run_loop: RunLoop
 def test_a_lost_train_reply_records_the_samples_of_the_applied_batch(
     pod: FakePod, run_loop: RunLoop
 ) -> None:
-    """B11: the old loop regenerated the step after a Train timeout and recorded the second
+    """The old loop regenerated the step after a Train timeout and recorded the second
     attempt's samples, while the trainer had applied the first attempt's."""
     pod.trainer.faults = [TrainFault(), TrainFault(delay_before_apply=DEADLINE * 1.5)]
     run = run_loop(pod)
@@ -171,7 +171,7 @@ def test_a_lost_train_reply_records_the_samples_of_the_applied_batch(
 def test_a_trainer_without_batch_ids_records_unknown_not_zero(
     pod: FakePod, run_loop: RunLoop
 ) -> None:
-    """H7: the old loop stored loss = grad_norm = ... = 0.0 for a step whose reply was lost."""
+    """The old loop stored loss = grad_norm = ... = 0.0 for a step whose reply was lost."""
     pod.trainer.keeps_batch_ids = False
     pod.trainer.faults = [TrainFault(), TrainFault(delay_before_apply=DEADLINE * 1.5)]
     run = run_loop(pod)
@@ -214,7 +214,7 @@ def test_score_errors_are_left_out_of_training_and_counted(pod: FakePod, run_loo
 def test_a_reward_that_raises_on_every_item_fails_the_run_naming_its_error(
     pod: FakePod, run_loop: RunLoop
 ) -> None:
-    """B4: the old loop trained nothing (all-equal fallback rewards) and called it finished."""
+    """The old loop trained nothing (all-equal fallback rewards) and called it finished."""
     pod.generator.complete = lambda prompt, index: "RAISE"
     run = run_loop(pod)
     assert run["state"].phase == "failed"
@@ -228,7 +228,7 @@ def test_a_reward_that_raises_on_every_item_fails_the_run_naming_its_error(
 def test_a_lost_database_resumes_from_the_checkpoint_state(
     pod: FakePod, run_loop: RunLoop, tmp_path: Path
 ) -> None:
-    """H8: with controller.sqlite deleted (and the last checkpoint with it), the restarted run
+    """With controller.sqlite deleted (and the last checkpoint with it), the restarted run
     goes on from the controller state in the newest checkpoint left: no prompt twice, none
     skipped, and samples.jsonl holds each step once."""
     first = run_loop(pod, steps=5)  # checkpoints after steps 2, 4 and 5

@@ -1,6 +1,7 @@
-"""The controller's registry refuses bad and hostile registrations and stays bounded: rows 30,
-31, 32, 33 and 35 of the 2026-12-01 probe. Register, Heartbeat and Drain over real gRPC to a
-controller servicer in a real ServiceProcess, each worker with its own run credentials."""
+"""The controller's registry refuses bad and hostile registrations and stays bounded (addresses
+that are not host:port, takeovers, empty incarnations, huge or marked-up ids, floods). Register,
+Heartbeat and Drain over real gRPC to a controller servicer in a real ServiceProcess, each
+worker with its own run credentials."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def _refused(call, code: grpc.StatusCode, *words: str) -> None:
     ["not an address", "host", ":50053", "host:0", "host:70000", "host:+5", "a b:1", "[::1x]:5"],
 )
 def test_register_refuses_what_is_not_host_port(controller: Controller, address: str) -> None:
-    """Probe 30: 'not an address' was accepted and listed healthy."""
+    """Before this check: 'not an address' was accepted and listed healthy."""
     stub = controller.stub("pod-0")
     _refused(lambda: _register(stub, "pod-0", address), grpc.StatusCode.INVALID_ARGUMENT, "address")
     assert controller.registry.members() == []
@@ -119,7 +120,7 @@ def test_register_accepts_addresses_workers_have(controller: Controller, address
 
 
 def test_a_live_worker_id_is_not_taken_over_from_another_address(controller: Controller) -> None:
-    """Probe 32: a Register with an existing worker id at another address replaced the real
+    """Before this check: a Register with an existing worker id at another address replaced the real
     trainer's entry. Now it is refused while the holder lives; it may take the place once the
     holder drained or stopped heartbeating; a restart at the same address always may."""
     stub = controller.stub("pod-0")
@@ -148,7 +149,7 @@ def test_a_live_worker_id_is_not_taken_over_from_another_address(controller: Con
 
 
 def test_drain_without_an_incarnation_is_refused(controller: Controller) -> None:
-    """Probe 33: a Drain with an empty incarnation was accepted and made /readyz 503."""
+    """Before this check: a Drain with an empty incarnation was accepted and made /readyz 503."""
     stub = controller.stub("pod-0")
     _register(stub, "pod-0")
     _refused(
@@ -178,8 +179,8 @@ def test_drain_without_an_incarnation_is_refused(controller: Controller) -> None
 def test_worker_ids_are_bounded_and_plain(
     controller: Controller, worker_id: str, words: list[str]
 ) -> None:
-    """Probe 35 (a 1 MB worker id was kept forever) and 34 (markup as a worker id). The
-    credentials cannot carry such an id, so the call is made as the controller: the id is
+    """Before these checks a 1 MB worker id was kept forever and markup was taken as a worker
+    id. The credentials cannot carry such an id, so the call is made as the controller: the id is
     checked before who may register it."""
     stub = controller.stub("ctl", role="controller")
     request = controller_pb2.RegisterRequest(
@@ -190,7 +191,7 @@ def test_worker_ids_are_bounded_and_plain(
 
 
 def test_the_registry_is_bounded_and_forgets_gone_workers(controller: Controller) -> None:
-    """Probes 35 and 31: 2000 fake registrations were all kept, and no entry was ever
+    """Before these checks 2000 fake registrations were all kept, and no entry was ever
     removed. Now at most max_members are kept; a member silent past expire_after_seconds is
     forgotten, which frees its place."""
     for n in range(MAX_MEMBERS):

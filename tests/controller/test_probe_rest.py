@@ -1,6 +1,6 @@
 """Probe rows 39-40 of 2026-12-01 (OK rows, kept OK): the REST API answers unknown paths 404,
 wrong methods 405 and malformed JSON 422, never 500, and changes nothing (real HTTP). Bad
-``/v1/steps`` values (row 40's ``limit``, row 41): tests/controller/test_rest_steps.py."""
+``/v1/steps`` values (``limit``, ``since``): tests/controller/test_rest_steps.py."""
 
 from __future__ import annotations
 

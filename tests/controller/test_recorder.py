@@ -1,5 +1,5 @@
-"""Step records and summary.json: every figure measured or marked unknown (H7), over every
-step of a long run (B2)."""
+"""Step records and summary.json: every figure measured or marked unknown, over every
+step of a long run."""
 
 from __future__ import annotations
 

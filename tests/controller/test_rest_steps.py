@@ -1,4 +1,4 @@
-"""/v1/steps over real HTTP: pages past 1,000 steps, and bad input is a 422 (probe 41)."""
+"""/v1/steps over real HTTP: pages past 1,000 steps, and bad input is a 422."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where a restarted controller continues (controller/resume.py): every branch, on a real
-SQLite run store, plus a run whose database was lost (H8) and one past 10,000 steps (B2)."""
+SQLite run store, plus a run whose database was lost and one past 10,000 steps."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_a_version_nothing_records_fails_the_resume_clearly(store: RunStore) -> 
 
 
 def test_resume_past_ten_thousand_steps_picks_the_last_step(store: RunStore) -> None:
-    """B2: with 10,005 steps the run continues after step 10,005, not 10,000."""
+    """With 10,005 steps the run continues after step 10,005, not 10,000."""
     for step in range(1, 10_006):
         _record(store, step, step)
     assert choose_checkpoint(10_005, store, None, None, None) is None
@@ -198,7 +198,7 @@ def test_controller_state_round_trips_and_foreign_blobs_are_ignored() -> None:
         assert ControllerState.decode(blob) is None
 
 
-# -- H8: the run database is lost, the checkpoint's controller state carries the run -----------
+# -- the run database is lost, the checkpoint's controller state carries the run -----------
 def _write_checkpoint(folder: Path, step: int, state: ControllerState | None) -> None:
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"")

@@ -1,4 +1,4 @@
-"""samples.jsonl after a resume holds every step once (B12, probe 44)."""
+"""samples.jsonl after a resume holds every step once."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def test_steps_pending_and_values_survive_a_reopen(tmp_path: Path) -> None:
 
 
 def test_past_ten_thousand_steps_every_step_is_read(tmp_path: Path) -> None:
-    """B2: steps() stopped at 10,000 rows, so resume and the summary read the wrong end."""
+    """Before: steps() stopped at 10,000 rows, so resume and the summary read the wrong end."""
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 10_006):
         metrics = {"reward_mean": None if step == 10_004 else step / 10_005, "trained": True}

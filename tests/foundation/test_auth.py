@@ -120,7 +120,7 @@ WRONG_SECRET = RunSecret(secrets.token_hex(32).encode(), "another run")
 def test_a_caller_without_the_run_secret_changes_nothing(
     stack: Stack, creds: CallerCredentials | None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Probes 18, 31, 36: before, a fake trainer registered as a healthy pod (and then got
+    """Before these checks, a fake trainer registered as a healthy pod (and then got
     the run's batches), and any process could call Train or ApplyWeights."""
     channel = stack.channel(creds)
     controller = controller_pb2_grpc.ControllerStub(channel)

@@ -1,5 +1,5 @@
 """The environment overrides one field of a list item, as the hint of a validation error says
-(`PODRL_TASKS__DEFINITIONS__0__...`; row 53 of the 2026-12-01 probe: it failed with 'Input should
+(`PODRL_TASKS__DEFINITIONS__0__...`; before, it failed with 'Input should
 be a valid list')."""
 
 from __future__ import annotations

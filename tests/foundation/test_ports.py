@@ -60,7 +60,7 @@ def _assert_refused(done: subprocess.CompletedProcess[str], field: str, port: in
 
 
 def test_the_controller_stops_when_its_rest_port_is_in_use(held_port: int, tmp_path: Path) -> None:
-    """Probe 56: the controller kept running without its REST API (uvicorn only logged the
+    """Before this check: the controller kept running without its REST API (uvicorn only logged the
     bind error and ended its thread)."""
     _assert_refused(
         _start("controller", tmp_path, controller__http_port=held_port),
@@ -70,14 +70,14 @@ def test_the_controller_stops_when_its_rest_port_is_in_use(held_port: int, tmp_p
 
 
 def test_the_grader_stops_when_its_metrics_port_is_in_use(held_port: int, tmp_path: Path) -> None:
-    """Probe 57: a raw OSError traceback."""
+    """Before this check: a raw OSError traceback."""
     _assert_refused(
         _start("grader", tmp_path, grader__metrics_port=held_port), "grader.metrics_port", held_port
     )
 
 
 def test_the_grader_stops_when_its_grpc_port_is_in_use(held_port: int, tmp_path: Path) -> None:
-    """Probe 55 (OK row, kept covered)."""
+    """A busy gRPC port of the grader stops it with exit 2 naming the field."""
     _assert_refused(
         _start("grader", tmp_path, grader__grpc_port=held_port), "grader.grpc_port", held_port
     )

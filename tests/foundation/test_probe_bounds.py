@@ -1,18 +1,18 @@
-"""OK rows of the 2026-12-01 probe that had no test of their own: they stay OK.
+"""Hostile requests the services already bounded, kept bounded (they had no test of their own).
 
-- Row 8: a 300 MB message is RESOURCE_EXHAUSTED — refused by the server's own limit
+- a 300 MB message is RESOURCE_EXHAUSTED — refused by the server's own limit
   (``grpc.max_message_bytes``, 256 MiB by default) before any handler runs, and the service
   goes on serving. Shown on the grader (in-process, real gRPC socket) with the default limit.
-- Row 7: 10^5 prompts with n=1 in one Generate are bounded. The generator has no cap on the
+- 10^5 prompts with n=1 in one Generate are bounded. The generator has no cap on the
   prompt count of its own: what bounds one request is its size in bytes (the same limit;
   RESOURCE_EXHAUSTED before the servicer), n (vLLM's cap, INVALID_ARGUMENT naming
-  ``sampling.n``: tests/generator/test_hostile_requests.py, row 4) and each prompt's length
-  (row 9, same file). Shown on the generator's real gRPC server and servicer while its engine
+  ``sampling.n``: tests/generator/test_hostile_requests.py) and each prompt's length
+  (same file). Shown on the generator's real gRPC server and servicer while its engine
   is held back from loading (so no vLLM starts): a request of 10^5 prompts over the limit is
   refused by size; 10^5 small prompts under it reach the servicer, which answers them
   UNAVAILABLE while the engine loads.
-- Rows 24-25: hostile Score requests are scored item by item and the grader serves on.
-- Row 1, the values no other test sends (top_p NaN or -0.5, top_k -5, stop [""]), with
+- hostile Score requests are scored item by item and the grader serves on.
+- The values no other test sends (top_p NaN or -0.5, top_k -5, stop [""]), with
   the others: the generator's request check refuses them naming the field (the error Generate
   answers INVALID_ARGUMENT, as tests/generator/test_generator_service.py shows through a real
   engine for some of them).
@@ -75,7 +75,7 @@ def grader() -> Iterator[RunningGrader]:
     running.stop()
 
 
-def test_row_8_a_300_mb_message_is_resource_exhausted_and_the_grader_serves_on(
+def test_a_300_mb_message_is_resource_exhausted_and_the_grader_serves_on(
     grader: RunningGrader,
 ) -> None:
     assert grader.config.grpc.max_message_bytes == 256 * MIB  # the default limit
@@ -153,7 +153,7 @@ def _generate(channel: grpc.Channel, request: generator_pb2.GenerateRequest) -> 
     return err.value
 
 
-def test_row_7_a_huge_generate_is_bounded_by_its_size_before_the_servicer(
+def test_a_huge_generate_is_bounded_by_its_size_before_the_servicer(
     held_generator: HeldGenerator,
 ) -> None:
     sampling = common_pb2.SamplingParams(n=1, max_tokens=4, temperature=1.0)
@@ -187,7 +187,7 @@ def test_row_7_a_huge_generate_is_bounded_by_its_size_before_the_servicer(
         ({"max_tokens": 0}, "sampling.max_tokens"),
     ],
 )
-def test_row_1_bad_sampling_values_are_refused_naming_the_field(
+def test_bad_sampling_values_are_refused_naming_the_field(
     sampling: dict[str, object], field: str
 ) -> None:
     params = common_pb2.SamplingParams(**{"max_tokens": 4, "temperature": 1.0, **sampling})
@@ -204,7 +204,7 @@ def _scores(grader: RunningGrader, items: list[grader_pb2.ScoreItem]) -> grader_
     )
 
 
-def test_rows_24_25_hostile_score_requests_are_scored_item_by_item(grader: RunningGrader) -> None:
+def test_hostile_score_requests_are_scored_item_by_item(grader: RunningGrader) -> None:
     """Duplicate ids, control characters, 10,000 metadata keys, a 16 MB text and 2,000 items
     (the probe's 100 MB and 10^5 items take minutes here): each item gets its own score, in
     order, and the grader stays SERVING."""

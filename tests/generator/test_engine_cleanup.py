@@ -51,7 +51,7 @@ def _idle_engine_cpu_seconds(gen: GeneratorProcess) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in engine) - before
 
 
-def test_probe_46_separate_engine_processes_idle_quietly_and_die_with_the_generator(
+def test_separate_engine_processes_idle_quietly_and_die_with_the_generator(
     tmp_path: Path,
 ) -> None:
     """The engine core in a process of its own (the CUDA default; the CPU one is below).
@@ -60,7 +60,7 @@ def test_probe_46_separate_engine_processes_idle_quietly_and_die_with_the_genera
     each process vLLM spawned); with vLLM's own 1 s, its engine core and worker would spin
     through most of a second after a call, about a CPU second each.
 
-    Probe row 46: after SIGKILL of the generator, vLLM's EngineCore and workers (~1.6 GB)
+    Before this check: after SIGKILL of the generator, vLLM's EngineCore and workers (~1.6 GB)
     and ~420 MB of psm_* segments outlived it, also through the next run. Its children die
     with it (parent-death signal), and the segments it recorded at start are unlinked by what
     the next generator runs first (``reap_dead_engine_segments``)."""

@@ -67,7 +67,7 @@ def _copy(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
     return weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
 
 
-# ---- Generate: client errors are INVALID_ARGUMENT, never UNKNOWN (probes 2, 3, 4, 9) -------
+# ---- Generate: client errors are INVALID_ARGUMENT, never UNKNOWN -------
 
 
 def test_a_request_for_more_completions_than_the_cap_is_refused_before_generating(
@@ -85,8 +85,8 @@ def test_a_request_for_more_completions_than_the_cap_is_refused_before_generatin
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
-def test_probe_2_temperature_nan_or_inf_is_invalid_argument(generator, temperature) -> None:
-    """Probe row 2: answered UNKNOWN 'Exception calling application'."""
+def test_temperature_nan_or_inf_is_invalid_argument(generator, temperature) -> None:
+    """Before this check: answered UNKNOWN 'Exception calling application'."""
     _refused(
         lambda: generate(generator, temperature=temperature),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -94,8 +94,8 @@ def test_probe_2_temperature_nan_or_inf_is_invalid_argument(generator, temperatu
     )
 
 
-def test_probe_3_greedy_with_several_samples_is_invalid_argument(generator) -> None:
-    """Probe row 3: n=2 with temperature 0 was UNKNOWN."""
+def test_greedy_with_several_samples_is_invalid_argument(generator) -> None:
+    """Before this check: n=2 with temperature 0 was UNKNOWN."""
     _refused(
         lambda: generate(generator, temperature=0.0, n=2),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -104,15 +104,15 @@ def test_probe_3_greedy_with_several_samples_is_invalid_argument(generator) -> N
     )
 
 
-def test_probe_4_n_above_the_engines_cap_is_invalid_argument(generator) -> None:
-    """Probe row 4: n=10^6 was UNKNOWN 'n must be at most 16384'."""
+def test_n_above_the_engines_cap_is_invalid_argument(generator) -> None:
+    """Before this check: n=10^6 was UNKNOWN 'n must be at most 16384'."""
     _refused(
         lambda: generate(generator, n=10**6), grpc.StatusCode.INVALID_ARGUMENT, "sampling", "n"
     )
 
 
-def test_probe_9_a_huge_prompt_is_refused_before_it_is_tokenised(generator) -> None:
-    """Probe row 9: a 100 MB prompt was tokenised (168 s, 21 GB) before it was refused. One of
+def test_a_huge_prompt_is_refused_before_it_is_tokenised(generator) -> None:
+    """Before this check: a 100 MB prompt was tokenised (168 s, 21 GB) before it was refused. One of
     8 MB is refused by its length, naming the field and the context window; a prompt just
     within the cap still reaches the engine (and its own length check)."""
     details = _refused(
@@ -132,9 +132,9 @@ def test_probe_9_a_huge_prompt_is_refused_before_it_is_tokenised(generator) -> N
     assert generate(generator, n=1, seed=1).samples
 
 
-def test_probes_5_6_stay_ok_bounded_tokens_and_refused_ids(generator) -> None:
-    """OK rows kept: max_tokens 10^9 stops at the context window (row 5); token ids outside
-    the vocabulary and a prompt past the context length are INVALID_ARGUMENT (row 6)."""
+def test_completion_tokens_stay_bounded_and_out_of_vocabulary_ids_are_refused(generator) -> None:
+    """Kept as they were: max_tokens 10^9 stops at the context window; token ids outside
+    the vocabulary and a prompt past the context length are INVALID_ARGUMENT."""
     reply = generate(generator, prompts=["hi"], max_tokens=10**9, temperature=0.0)
     assert 0 < len(reply.samples[0].token_ids) <= 1024  # generator.max_model_len
     for ids in ([10**7], [5] * 2000):
@@ -150,11 +150,11 @@ def test_probes_5_6_stay_ok_bounded_tokens_and_refused_ids(generator) -> None:
         )
 
 
-# ---- ApplyWeights: only the pod's trainer (probes 18, 19, 20, 21, 22) ----------------------
+# ---- ApplyWeights: only the pod's trainer ----------------------
 
 
-def test_probe_18_a_manifest_without_the_pods_mac_is_permission_denied(generator, policy) -> None:
-    """Probe row 18: a segment of an unrelated process, with the publisher_id every service's
+def test_a_manifest_without_the_pods_mac_is_permission_denied(generator, policy) -> None:
+    """Before this check: a segment of an unrelated process, with the publisher_id every service's
     Info shows, was applied and changed the logprobs. Without the pod's MAC, or with another
     key's, it is PERMISSION_DENIED and the served weights stay."""
     torch.manual_seed(99)
@@ -167,7 +167,7 @@ def test_probe_18_a_manifest_without_the_pods_mac_is_permission_denied(generator
             forged = assembler.assemble(policy.version + 1, [stranger.prepare(policy.version + 1)])
             stranger.acknowledge(policy.version + 1)
             _refused(lambda m=forged: apply(generator, m), grpc.StatusCode.PERMISSION_DENIED)
-            for rollback in (True, False):  # probe row 38's forged rollback too
+            for rollback in (True, False):  # the forged rollback too
                 older = _copy(forged)
                 older.version = policy.version - 1
                 _refused(
@@ -179,8 +179,8 @@ def test_probe_18_a_manifest_without_the_pods_mac_is_permission_denied(generator
     _serves(generator, policy)
 
 
-def test_probe_19_a_rollback_to_the_served_version_is_refused(generator, policy) -> None:
-    """Probe row 19: rollback=True at the served version with other weights was accepted (the
+def test_a_rollback_to_the_served_version_is_refused(generator, policy) -> None:
+    """Before this check: rollback=True at the served version with other weights was accepted (the
     version stayed, the weights changed). A rollback must go to an older version."""
     served = policy.snapshot()
     policy.perturb(0.3)
@@ -196,10 +196,8 @@ def test_probe_19_a_rollback_to_the_served_version_is_refused(generator, policy)
     _serves(generator, policy)
 
 
-def test_probe_20_a_symlink_under_a_segment_name_is_never_opened(
-    generator, policy, tmp_path
-) -> None:
-    """Probe row 20: a /dev/shm/podrl-w-... symlink to a system file was loaded as weights.
+def test_a_symlink_under_a_segment_name_is_never_opened(generator, policy, tmp_path) -> None:
+    """Before this check: a /dev/shm/podrl-w-... symlink to a system file was loaded as weights.
     Even in a manifest that carries the pod's MAC, pointing at a file large enough, the
     generator does not follow it."""
     target = tmp_path / "a-file"
@@ -221,11 +219,11 @@ def test_probe_20_a_symlink_under_a_segment_name_is_never_opened(
     _serves(generator, policy)
 
 
-def test_probes_21_22_an_oversized_manifest_never_blocks_generate_nor_the_next_version(
+def test_an_oversized_manifest_never_blocks_generate_nor_the_next_version(
     generator, policy
 ) -> None:
-    """Probe row 21: 16,641 zero-size shards (1.9 MB) blocked a concurrent Generate for 90 s
-    and ran into DEADLINE_EXCEEDED. Row 22: the legitimate next manifest was then refused
+    """Before this check: 16,641 zero-size shards (1.9 MB) blocked a concurrent Generate for 90 s
+    and ran into DEADLINE_EXCEEDED. Then the legitimate next manifest was then refused
     ('version 1 is not newer than the applied version 9' while Info said 0). Now: refused
     before the write lock, unsigned or signed; a signed manifest with a few zero-size shards
     reaches the workers and is refused there; Info and the workers agree throughout, and the
@@ -279,11 +277,11 @@ def test_probes_21_22_an_oversized_manifest_never_blocks_generate_nor_the_next_v
     _serves(generator, policy)
 
 
-# ---- numbers (probe 23) -------------------------------------------------------------------
+# ---- numbers -------------------------------------------------------------------
 
 
-def test_probe_23_nan_weights_are_neither_published_nor_applied(generator, policy) -> None:
-    """Probe row 23: NaN weights went through the legitimate sync path and Generate returned
+def test_nan_weights_are_neither_published_nor_applied(generator, policy) -> None:
+    """Before this check: NaN weights went through the legitimate sync path and Generate returned
     NaN logprobs with status OK. The trainer's publisher refuses them; storage that holds NaN
     after publishing is refused by the generator (FAILED_PRECONDITION), which keeps serving."""
     served = policy.snapshot()
@@ -305,7 +303,7 @@ def test_probe_23_nan_weights_are_neither_published_nor_applied(generator, polic
     _serves(generator, policy)
 
 
-def test_probe_23_generate_never_answers_ok_with_non_finite_logprobs(generator, policy) -> None:
+def test_generate_never_answers_ok_with_non_finite_logprobs(generator, policy) -> None:
     """Finite weights so large that the logits overflow: Generate is FAILED_PRECONDITION, not
     OK with NaN logprobs; good weights afterwards serve again."""
     good = policy.snapshot()

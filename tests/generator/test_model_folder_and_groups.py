@@ -1,5 +1,5 @@
 """A missing model folder stops the run naming the field, and nothing is written in its place
-(probe row 54); what a killed service started is killed with its process group (probe row 46,
+; what a killed service started is killed with its process group (
 the launcher's part). Real processes, no vLLM engine."""
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def test_a_random_model_is_written_only_where_the_config_asks_for_it(tmp_path: P
     assert not may_write_tiny_model(off.generator)
 
 
-def test_probe_54_podrl_run_with_a_missing_model_path_exits_2_and_writes_nothing(
+def test_podrl_run_with_a_missing_model_path_exits_2_and_writes_nothing(
     tmp_path: Path,
 ) -> None:
-    """Probe row 54: the first run failed clearly, but the generator had written a random tiny
+    """Before this check: the first run failed clearly, but the generator had written a random tiny
     model to the missing path, so the second run trained it silently. Now `podrl run` stops
     before any service starts, exit 2 naming the field, and the path stays missing."""
     missing = tmp_path / "models" / "mine"
@@ -71,7 +71,7 @@ def test_probe_54_podrl_run_with_a_missing_model_path_exits_2_and_writes_nothing
         check_model_folders(load_config(None, {"PODRL_GENERATOR__MODEL_PATH": str(missing)}))
 
 
-def test_probe_54_the_generator_itself_refuses_a_missing_model_path(tmp_path: Path) -> None:
+def test_the_generator_itself_refuses_a_missing_model_path(tmp_path: Path) -> None:
     """Started without the launcher: exit 2 naming generator.model_path, nothing written."""
     missing = tmp_path / "models" / "mine"
     grpc_port, controller_port = free_ports(2)
@@ -105,7 +105,7 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_probe_46_the_launcher_kills_what_a_dead_service_left_in_its_group(
+def test_the_launcher_kills_what_a_dead_service_left_in_its_group(
     tmp_path: Path,
 ) -> None:
     """A service that started a helper process (as the generator starts vLLM's engine core)
@@ -128,7 +128,7 @@ def test_probe_46_the_launcher_kills_what_a_dead_service_left_in_its_group(
         assert _alive(helper)
         service.kill()
         service.wait(timeout=30)
-        assert _alive(helper)  # what probe row 46 saw: the helper outlives the service
+        assert _alive(helper)  # what happened before: the helper outlives the service
         kill_process_group(child)
         deadline = time.monotonic() + 30  # hang guard
         while _alive(helper):

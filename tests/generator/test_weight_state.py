@@ -78,8 +78,8 @@ def test_rollback_takes_an_older_version_as_a_full_manifest_only() -> None:
     assert weights.state == WeightState(WeightPhase.IDLE, 3, OTHER_STORAGE)
 
 
-def test_probe_19_a_rollback_never_rewrites_the_served_version() -> None:
-    """Probe row 19: rollback=True at the served version with other weights was accepted (the
+def test_a_rollback_never_rewrites_the_served_version() -> None:
+    """Before this check: rollback=True at the served version with other weights was accepted (the
     version stayed, the weights changed). A rollback must go to an older version, in every
     phase; the served version from other storage is stale, rollback or not."""
     weights = WorkerWeights()

@@ -1,4 +1,4 @@
-"""vLLM's CUDA build with podrl's services on one GPU (issue 16; docs/cuda.md, "vLLM on the H200").
+"""vLLM's CUDA build with podrl's services on one GPU (docs/cuda.md, "vLLM on the H200").
 
 The real trainer service (FSDP2 on one GPU, fp32 master weights) publishes CUDA IPC manifests;
 the real generator service applies them with its vLLM worker extension, ``in_place``, into

@@ -1,4 +1,4 @@
-"""What cluster users expect from a chart (issue 13, the review's feature table): the model's
+"""What cluster users expect from a chart: the model's
 source, run state without ReadWriteMany, the run's shared secret, runtimeClassName, topology
 spread, Prometheus Operator monitors, NetworkPolicies, GPU count checks, no restarts on a chart
 bump, telemetry off, and NOTES.txt. Rendered with the real helm binary; the new objects pass

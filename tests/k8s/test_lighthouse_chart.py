@@ -1,4 +1,4 @@
-"""The chart runs the torchft Lighthouse (issue 12): a sidecar container of the controller pod,
+"""The chart runs the torchft Lighthouse: a sidecar container of the controller pod,
 exposed on the controller Service, whose address every worker pod's trainer gets, so that
 `kubectl scale` of the worker StatefulSet gives pods that train together. Offline (rendered
 with the real helm binary); tests/k8s/test_rendered_pod.py starts the rendered Lighthouse and

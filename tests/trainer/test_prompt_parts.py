@@ -1,4 +1,4 @@
-"""The warm-start data, the RL stream and the evaluation prompts share no prompt (H1), with and
+"""The warm-start data, the RL stream and the evaluation prompts share no prompt, with and
 without per-task seeds: all three sets are built the way the warm-start, the controller and the
 evaluation build them."""
 

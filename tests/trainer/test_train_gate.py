@@ -10,7 +10,7 @@ show, and does here:
 
 * the gate and the servicer: a gate that refuses makes Train FAILED_PRECONDITION and no rank
   steps;
-* the ordering (B10): a PublishWeights sent while a Train is between its gate check and its
+* the ordering: a PublishWeights sent while a Train is between its gate check and its
   step waits for the step (it takes the same lock), so it publishes the new version.
 """
 

@@ -37,11 +37,11 @@ from tests.weights.manifest_cases import (
     shard_of,
 )
 
-# ---- authenticity (probe 18) ----------------------------------------------------------------
+# ---- authenticity ----------------------------------------------------------------
 
 
-def test_probe_18_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
-    """Probe row 18: a manifest from an unrelated process, publisher_id copied from Info, was
+def test_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
+    """Before this check: a manifest from an unrelated process, publisher_id copied from Info, was
     accepted. Without the MAC of the pod's key, with another key's, or changed after signing,
     it is PERMISSION_DENIED; the trainer's own signed manifest applies."""
     receiver = make_receiver(key=KEY)
@@ -78,7 +78,7 @@ def test_probe_18_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
     assert receiver.apply(follow).plan_cached
 
 
-# ---- storage (probes 15, 20) ---------------------------------------------------------------
+# ---- storage ---------------------------------------------------------------
 
 
 @pytest.fixture
@@ -96,10 +96,10 @@ def _point_norm_at(manifest, name: str, segment_nbytes: int) -> weights_pb2.Weig
     return forged
 
 
-def test_probe_20_a_symlink_under_a_segment_name_is_never_followed(
+def test_a_symlink_under_a_segment_name_is_never_followed(
     trainer, planted: Path, tmp_path: Path
 ) -> None:
-    """Probe row 20: a /dev/shm/podrl-w-<pid>-<start>-x symlink to a system file was loaded as
+    """Before this check: a /dev/shm/podrl-w-<pid>-<start>-x symlink to a system file was loaded as
     weights. Even pointing at a file of the right user and size, a symlink is refused."""
     target = tmp_path / "system-file"
     target.write_bytes(b"\x01" * 4096)
@@ -141,8 +141,8 @@ def test_segments_must_be_regular_files_of_the_trainers_user_and_declared_size(
     assert dict(make_receiver().apply(good))[NORM].equal(trainer.params[NORM])
 
 
-def test_probe_15_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) -> None:
-    """Probe row 15: a shard declared FLOAT64 with nbytes of 8 over the trainer's live fp32
+def test_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) -> None:
+    """Before this check: a shard declared FLOAT64 with nbytes of 8 over the trainer's live fp32
     segment was accepted and served garbage. nbytes must be numel x the dtype's size, and the
     bytes of one tensor may not overlap another's in the segment."""
     good = trainer.publish(1)
@@ -166,7 +166,7 @@ def test_probe_15_a_wider_dtype_over_the_trainers_segment_is_refused(trainer) ->
     assert "overlap" in assert_refused(receiver, wide, Kind.SHAPE, INVALID)
 
 
-# ---- bounded work (probe 21) ---------------------------------------------------------------
+# ---- bounded work ---------------------------------------------------------------
 
 
 def _row_split(manifest, name: str, rows: int) -> weights_pb2.WeightManifest:
@@ -185,8 +185,8 @@ def _row_split(manifest, name: str, rows: int) -> weights_pb2.WeightManifest:
     return out
 
 
-def test_probe_21_shard_counts_are_capped_before_any_shard_is_checked(trainer) -> None:
-    """Probe row 21: 16,641 zero-size shards took quadratic time (a concurrent Generate waited
+def test_shard_counts_are_capped_before_any_shard_is_checked(trainer) -> None:
+    """Before this check: 16,641 zero-size shards took quadratic time (a concurrent Generate waited
     90 s). Over the total cap the manifest is refused by its length alone; zero-size blocks
     and more shards per tensor than the cap are refused too."""
     good = trainer.publish(1)
@@ -256,11 +256,11 @@ def test_shards_that_do_not_tile_a_tensor_once_are_refused(trainer, boxes, probl
     assert problem in assert_refused(make_receiver(), manifest, Kind.COVERAGE, INVALID)
 
 
-# ---- numbers (probe 23) -------------------------------------------------------------------
+# ---- numbers -------------------------------------------------------------------
 
 
-def test_probe_23_weights_that_are_not_finite_are_never_published(trainer) -> None:
-    """Probe row 23: NaN weights went through the sync path. The publisher refuses them,
+def test_weights_that_are_not_finite_are_never_published(trainer) -> None:
+    """Before this check: NaN weights went through the sync path. The publisher refuses them,
     naming the parameter, and nothing becomes pending."""
     trainer.params[NORM][3] = float("nan")
     with pytest.raises(PublishError, match=f"NaN or infinity .*{NORM}"):
@@ -274,7 +274,7 @@ def test_probe_23_weights_that_are_not_finite_are_never_published(trainer) -> No
     assert trainer.publish(1).shards
 
 
-def test_probe_23_non_finite_storage_is_never_copied(trainer) -> None:
+def test_non_finite_storage_is_never_copied(trainer) -> None:
     """The receiver checks what it reads, right before the copy: storage that holds NaN (or
     infinity) after it was published is refused, FAILED_PRECONDITION, and the buffers keep
     the version before."""

@@ -115,7 +115,7 @@ def _unreadable_proc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """B12: the start time used to be encoded as 0, so every liveness check failed: the live
+    """Before: the start time used to be encoded as 0, so every liveness check failed: the live
     segment was reaped and its manifest refused as STORAGE."""
     from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
     from podrl.weights.shm import creator_alive, reap_orphaned_segments

@@ -4,7 +4,7 @@ The registry is bounded: worker ids, addresses and incarnations are validated an
 length, at most ``max_members`` processes are registered at once, and a member not heard from
 for ``expire_after_seconds`` is removed. A (worker id, component) that a live process holds is
 not taken over by a process at another address until the holder drains, is marked unreachable
-or stops heartbeating (probes 30 to 33 and 35 of the 2026-12-01 probe).
+or stops heartbeating.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class MemberRegistry:
 
     def drain(self, worker_id: str, component: int, incarnation: str) -> bool:
         """Mark that incarnation draining; False when it is not the registered one (an empty
-        incarnation matches none: a drain must name the process it ends, probe 33)."""
+        incarnation matches none: a drain must name the process it ends)."""
         with self._lock:
             member = self._members.get((worker_id, component))
             if member is None or not incarnation or member.incarnation != incarnation:

@@ -206,7 +206,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         from podrl.weights.trainer_weight_sync import PUBLISH_WEIGHTS
 
         try:
-            with self._lock:  # never between a Train's gate check and its step (B10)
+            with self._lock:  # never between a Train's gate check and its step
                 reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
         except RankCommandError as err:
             # Every rank refuses alike while the previous version is unacknowledged.
