@@ -26,11 +26,14 @@ import pytest
 import torch
 
 from podrl.config import RunConfig, load_config
+from podrl.trainer.batch import BatchError
 from podrl.trainer.command_table import register_builtin_commands
-from podrl.trainer.engine import TrainerEngine, TrainNotAllowedError
-from podrl.trainer.rank_command_loop import CommandLoop
+from podrl.trainer.engine import TrainerEngine
+from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
+from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.trainer.servicer import TrainerServicer
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from podrl.weights.errors import PublishError
 from podrl.weights.trainer_weight_sync import TrainerWeightSync, register_weight_commands
 from tests.trainer.rank_worker import config_env, make_request
 
@@ -165,3 +168,48 @@ def test_one_rank_runs_its_commands_without_collectives(
         )
     )
     assert calls == []
+
+
+class _RefusedShareError(BatchError):
+    """A subclass: its class name is not BatchError's, its kind is."""
+
+
+def test_a_batch_error_subclass_raised_in_the_step_is_invalid_argument(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Replicated trainers check the batch inside the step, on every rank: the kind the rank
+    # sets where it caught the error decides the code, not the error's class name.
+    def refuse(request: trainer_pb2.TrainRequest, **_: object) -> trainer_pb2.TrainResponse:
+        raise _RefusedShareError("sequences[0].advantage: refused by the test")
+
+    monkeypatch.setattr(served.engine, "train_step", refuse)
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub.Train(make_request(1), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "TrainRequest.sequences[0].advantage: refused by the test"
+
+
+def test_a_step_aborted_on_some_ranks_and_non_finite_on_others_is_aborted() -> None:
+    def failed(kind: int) -> trainer_pb2.RankReply:
+        return trainer_pb2.RankReply(error="x", error_kind=kind)
+
+    aborted = RankCommandError(
+        "train",
+        {
+            0: failed(trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP),
+            1: failed(trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED),
+        },
+    )
+    assert aborted.kind == trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED
+    mixed = RankCommandError(
+        "train",
+        {
+            0: failed(trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST),
+            1: failed(trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED),
+        },
+    )
+    assert mixed.kind == trainer_pb2.RANK_ERROR_KIND_INTERNAL
+    assert error_kind(_RefusedShareError("x")) == trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST
+    assert error_kind(NonFiniteStepError("x")) == trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP
+    assert error_kind(PublishError("x")) == trainer_pb2.RANK_ERROR_KIND_NOT_NOW
+    assert error_kind(ValueError("x")) == trainer_pb2.RANK_ERROR_KIND_INTERNAL

@@ -32,6 +32,7 @@ from podrl.trainer.batch import (
     collate,
     split_for_rank,
 )
+from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
 from podrl.trainer.grad_norm import clip_grad_norm
 from podrl.trainer.logprobs import (
     ChunkKernels,
@@ -59,22 +60,6 @@ log = logging.getLogger(__name__)
 
 # Metric sums all-reduced over the data-parallel ranks, in this order.
 _SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio", "clipped", "tokens", "logprob_diff")
-
-
-class TrainNotAllowedError(RuntimeError):
-    """The trainer may not take a step now; the message says what must happen first
-    (→ FAILED_PRECONDITION)."""
-
-
-class StepAbortedError(RuntimeError):
-    """A rank failed before the optimizer step, so no rank stepped: weights, optimizer state,
-    schedule and policy version are unchanged on every rank (→ ABORTED: the batch may be sent
-    again)."""
-
-
-class NonFiniteStepError(StepAbortedError):
-    """The step's loss or gradient norm is NaN or infinite: no rank stepped, nothing changed
-    (→ FAILED_PRECONDITION: the same batch on the same weights would fail again)."""
 
 
 def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from podrl.trainer.errors import ErrorKind, error_kind
 from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_bytes
 
@@ -31,13 +32,37 @@ RankHandler = Callable[[bytes], bytes]
 rank, so it may (and usually does) run collectives over the model's process groups."""
 
 
-class RankCommandError(RuntimeError):
-    """A command failed on one or more ranks; the message names each rank and its error."""
+# Kinds that all mean "no rank stepped, nothing changed" (a NonFiniteStepError is one).
+_ABORTED_KINDS = frozenset(
+    {trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED, trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP}
+)
 
-    def __init__(self, name: str, errors: dict[int, str]) -> None:
+
+class RankCommandError(RuntimeError):
+    """A command failed on one or more ranks; the message names each rank and its error.
+    ``errors`` holds the failed ranks' replies, by rank."""
+
+    def __init__(self, name: str, errors: dict[int, trainer_pb2.RankReply]) -> None:
         self.errors = errors
-        detail = "; ".join(f"rank {rank}: {err}" for rank, err in sorted(errors.items()))
+        detail = "; ".join(f"rank {rank}: {r.error}" for rank, r in sorted(errors.items()))
         super().__init__(f"trainer command {name!r} failed: {detail}")
+
+    @property
+    def kind(self) -> ErrorKind:
+        """The failure's kind when every failed rank reports the same one; ranks that all
+        aborted the step (some of them for a non-finite one) aborted it; any other mix is
+        INTERNAL."""
+        kinds = {reply.error_kind for reply in self.errors.values()}
+        if len(kinds) == 1:
+            return kinds.pop()
+        if kinds <= _ABORTED_KINDS:
+            return trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED
+        return trainer_pb2.RANK_ERROR_KIND_INTERNAL
+
+    @property
+    def first_message(self) -> str:
+        """The lowest failed rank's own error message (without its type)."""
+        return self.errors[min(self.errors)].error_message
 
 
 class CommandLoop:
@@ -83,7 +108,11 @@ class CommandLoop:
             return trainer_pb2.RankReply(payload=handler(command.payload))
         except Exception as err:  # reported to rank 0, which raises RankCommandError
             log.exception("rank command %r failed on rank %d", command.name, self.rank)
-            return trainer_pb2.RankReply(error=f"{type(err).__name__}: {err}")
+            return trainer_pb2.RankReply(
+                error=f"{type(err).__name__}: {err}",
+                error_kind=error_kind(err),
+                error_message=str(err),
+            )
 
     # -- rank 0 --------------------------------------------------------------------------------
 
@@ -106,7 +135,7 @@ class CommandLoop:
                 self._broadcast_bytes(command.SerializeToString())
                 reply = self._dispatch(command)
                 replies = [trainer_pb2.RankReply.FromString(b) for b in self._gather(reply)]
-        errors = {rank: r.error for rank, r in enumerate(replies) if r.error}
+        errors = {rank: r for rank, r in enumerate(replies) if r.error}
         if errors:
             raise RankCommandError(name, errors)
         return [r.payload for r in replies]

@@ -31,17 +31,23 @@ import podrl
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, command_table
 from podrl.trainer.batch import BatchError
-from podrl.trainer.engine import (
-    NonFiniteStepError,
-    StepAbortedError,
-    TrainerEngine,
-    TrainNotAllowedError,
-    never_cancelled,
-)
+from podrl.trainer.engine import TrainerEngine, never_cancelled
+from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# The gRPC answer to a rank command that failed, by the failure's kind (docs/trainer.md).
+_STATUS: dict[ErrorKind, grpc.StatusCode] = {
+    trainer_pb2.RANK_ERROR_KIND_INTERNAL: grpc.StatusCode.INTERNAL,
+    trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    trainer_pb2.RANK_ERROR_KIND_NOT_NOW: grpc.StatusCode.FAILED_PRECONDITION,
+    # Nothing changed, but the same batch on the same weights fails again.
+    trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP: grpc.StatusCode.FAILED_PRECONDITION,
+    # Every rank refused the step alike: nothing changed, the batch may come again.
+    trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED: grpc.StatusCode.ABORTED,
+}
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -94,24 +100,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 payloads = self._loop.run(command_table.TRAIN, request.SerializeToString())
             except RankCommandError as err:
                 log.error("%s", err)
-                errors = list(err.errors.values())
-                refused = f"{BatchError.__name__}: "
-                if all(e.startswith(refused) for e in errors):
+                if err.kind == trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST:
                     # Replicated: every rank checked the batch inside the step and refused it.
                     context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"TrainRequest.{err.errors[min(err.errors)][len(refused) :]}",
+                        grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err.first_message}"
                     )
-                if all(e.startswith(NonFiniteStepError.__name__) for e in errors):
-                    # Nothing changed, but the same batch on the same weights fails again.
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-                # Every rank refused the step alike: nothing changed, the batch may come again.
-                aborted = all(
-                    e.startswith((StepAbortedError.__name__, NonFiniteStepError.__name__))
-                    for e in errors
-                )
-                code = grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.INTERNAL
-                context.abort(code, str(err))
+                context.abort(_STATUS[err.kind], str(err))
             finally:
                 self._engine.train_cancelled = never_cancelled
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
@@ -210,9 +204,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
         except RankCommandError as err:
             # Every rank refuses alike while the previous version is unacknowledged.
-            pending = any(e.startswith("PublishError") for e in err.errors.values())
-            code = grpc.StatusCode.FAILED_PRECONDITION if pending else grpc.StatusCode.INTERNAL
-            context.abort(code, str(err))
+            context.abort(_STATUS[err.kind], str(err))
         return trainer_pb2.PublishWeightsResponse.FromString(reply)
 
     def AcknowledgeWeights(

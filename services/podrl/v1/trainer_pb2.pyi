@@ -1,12 +1,26 @@
 from podrl.v1 import common_pb2 as _common_pb2
 from podrl.v1 import weights_pb2 as _weights_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RankErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RANK_ERROR_KIND_INTERNAL: _ClassVar[RankErrorKind]
+    RANK_ERROR_KIND_INVALID_REQUEST: _ClassVar[RankErrorKind]
+    RANK_ERROR_KIND_NOT_NOW: _ClassVar[RankErrorKind]
+    RANK_ERROR_KIND_NON_FINITE_STEP: _ClassVar[RankErrorKind]
+    RANK_ERROR_KIND_STEP_ABORTED: _ClassVar[RankErrorKind]
+RANK_ERROR_KIND_INTERNAL: RankErrorKind
+RANK_ERROR_KIND_INVALID_REQUEST: RankErrorKind
+RANK_ERROR_KIND_NOT_NOW: RankErrorKind
+RANK_ERROR_KIND_NON_FINITE_STEP: RankErrorKind
+RANK_ERROR_KIND_STEP_ABORTED: RankErrorKind
 
 class TrainSequence(_message.Message):
     __slots__ = ("sample_id", "prompt_ids", "completion_ids", "generator_logprobs", "advantage", "policy_version")
@@ -203,9 +217,13 @@ class RankCommand(_message.Message):
     def __init__(self, name: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RankReply(_message.Message):
-    __slots__ = ("error", "payload")
+    __slots__ = ("error", "payload", "error_kind", "error_message")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     error: str
     payload: bytes
-    def __init__(self, error: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    error_kind: RankErrorKind
+    error_message: str
+    def __init__(self, error: _Optional[str] = ..., payload: _Optional[bytes] = ..., error_kind: _Optional[_Union[RankErrorKind, str]] = ..., error_message: _Optional[str] = ...) -> None: ...

@@ -80,7 +80,7 @@ class TrainerWeightSync:
         the ack travels through the same rank command loop that a running Train occupies, so
         waiting inside the step could only time out."""
         if self.publisher.must_wait_before_step:
-            from podrl.trainer.engine import TrainNotAllowedError
+            from podrl.trainer.errors import TrainNotAllowedError
 
             raise TrainNotAllowedError(
                 f"version {self.publisher.pending_version} was published from the live GPU "
