@@ -23,6 +23,7 @@ from podrl.controller.clients import WorkerClients
 from podrl.controller.membership import MemberRegistry
 from podrl.controller.roster import Pod, PodRoster
 from podrl.controller.step_errors import TRANSPORT_FAILURES, StepFailedError, describe_rpc_error
+from podrl.grader.requests import build_score_item
 from podrl.tasks import PromptItem
 from podrl.v1 import common_pb2, generator_pb2, grader_pb2
 
@@ -215,14 +216,7 @@ class WorkerPhases:
             raise StepFailedError("score", "no healthy pod can score (none left)")
         items_by_prompt = {
             item.id: [
-                grader_pb2.ScoreItem(
-                    id=sample_id(item.id, sample.index),
-                    prompt=item.prompt,
-                    completion=sample.text,
-                    reference=item.reference,
-                    task=item.task,
-                    metadata=item.metadata,
-                )
+                build_score_item(item, sample.text, sample_id(item.id, sample.index))
                 for sample in data.samples[item.id]
             ]
             for item in data.items

@@ -1,4 +1,4 @@
-"""Build the grader's ScoreItem request messages from task items (what the controller sends)."""
+"""The grader's ScoreItem request built from a task item: how the controller asks for a score."""
 
 from __future__ import annotations
 
