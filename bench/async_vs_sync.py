@@ -61,6 +61,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
+from bench import results_table  # noqa: E402
 from bench.run_env import CUDA_GENERATOR, CUDA_TRAINER, gpu_name, podrl_env  # noqa: E402
 
 DEMO = REPO / "examples" / "demo.yaml"
@@ -278,6 +279,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    results_table.update("async_vs_sync", args.out)
     print(f"\nasync speedup {asynchronous['speedup']:.2f}x (target >= 1.3x); wrote {args.out}")
     return 0
 

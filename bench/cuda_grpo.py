@@ -338,6 +338,8 @@ def merge(paths: list[Path], out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import results_table  # run as python -m bench.cuda_grpo
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shape", default="0.6b")
@@ -356,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             parser.error("--merge needs --out")
         print(table(merge(args.merge, args.out)))
+        results_table.update("cuda_grpo", args.out)
         return 0
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
@@ -375,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         run_timeout=args.run_timeout,
     )
     results = run(opts)
+    if opts.out:
+        results_table.update("cuda_grpo", opts.out)
     print(table(results))
     return (
         0

@@ -57,6 +57,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
+from bench import results_table  # noqa: E402
 from bench.run_env import podrl_env  # noqa: E402
 
 # torch's own default thread count, read before anything changes it.
@@ -506,6 +507,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    results_table.update("e2e_step", args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -39,10 +39,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "services"))
+sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench import results_table  # noqa: E402
 from podrl.config.generator import GeneratorConfig  # noqa: E402
 from podrl.generator.engine import SamplingRequest, VllmEngine  # noqa: E402
 from podrl.models.tiny import make_tiny_model  # noqa: E402
@@ -201,6 +203,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    results_table.update("generator_cpu", args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench i
 os.environ.setdefault("PODRL_RUN_SECRET", secrets.token_hex(32))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from bench import results_table  # noqa: E402
 from podrl.v1 import generator_pb2  # noqa: E402
 from tests.generator.conftest import running_generator  # noqa: E402
 from tests.generator.policy import Policy, generate  # noqa: E402
@@ -118,6 +119,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    results_table.update("in_flight_apply", args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -50,6 +50,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
 
+from bench import results_table  # noqa: E402
 from bench.run_env import CUDA_GENERATOR, CUDA_TRAINER, gpu_name, podrl_env  # noqa: E402
 
 REWARD = "bench.scaling_reward:varied"
@@ -223,6 +224,7 @@ def main() -> int:
         print(f"\nsync time 3 pods / 1 pod: {ratio:.2f}x (target <= 1.2x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    results_table.update("scaling", args.out)
     print(f"wrote {args.out}")
     return 0
 

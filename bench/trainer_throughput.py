@@ -680,6 +680,10 @@ def write_outputs(args, results, before, ablations, profiles) -> None:
         "checks": checks,
     }
     args.out.write_text(json.dumps(payload, indent=2))
+    sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+    from bench import results_table
+
+    results_table.update("trainer_throughput", args.out)
     if profiles:
         args.profile_out.write_text("".join(profiles))
 

@@ -903,6 +903,10 @@ def run(opts: Options) -> Results:
         results.errors.append(f"run: {type(err).__name__}: {err}\n{traceback.format_exc()}")
         log.exception("the run failed")
     _save(results, opts)
+    if opts.out is not None:
+        from bench import results_table
+
+        results_table.update("vllm_cuda", opts.out)
     return results
 
 

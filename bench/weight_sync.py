@@ -604,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {key.removesuffix('_stages_ms'):<30} {stages}")
     if args.out:
         args.out.write_text(json.dumps({"settings": _settings(args), "results": results}, indent=2))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench
+        from bench import results_table
+
+        results_table.update("weight_sync", args.out)
     return 0
 
 

@@ -13,6 +13,8 @@ import pytest
 from bench import results_table
 from bench.results_table import LAYOUTS, RESULTS, bench_files, render, split
 
+BENCH_DIR = RESULTS.parent
+
 
 @pytest.mark.parametrize("bench", sorted(LAYOUTS))
 def test_the_committed_table_is_the_rendered_one(bench: str) -> None:
@@ -31,6 +33,12 @@ def test_every_committed_json_has_a_bench_table() -> None:
     owned = {path for bench in LAYOUTS for path in bench_files(bench, RESULTS)}
     orphans = sorted(p.name for p in RESULTS.glob("*.json") if p not in owned)
     assert not orphans, f"JSON no table renders (add a layout in bench/results_table.py): {orphans}"
+
+
+@pytest.mark.parametrize("bench", sorted(LAYOUTS))
+def test_every_bench_renders_its_table_after_writing_its_json(bench: str) -> None:
+    source = (BENCH_DIR / f"{bench}.py").read_text()
+    assert f'results_table.update("{bench}"' in source, f"bench/{bench}.py never calls update"
 
 
 def test_update_renders_every_json_of_the_bench_and_keeps_the_notes(tmp_path: Path) -> None:
