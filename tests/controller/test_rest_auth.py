@@ -10,11 +10,13 @@ import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
 
 from podrl.cli.local_cluster import LocalCluster
 from podrl.cli.main import main as podrl
@@ -72,6 +74,65 @@ def test_a_bad_body_without_a_token_is_401_not_422(scaled: tuple[str, LocalScale
     url, _ = scaled  # the caller learns nothing about what a valid request looks like
     reply = httpx.put(f"{url}{REPLICAS}", json={"replicas": "many"}, timeout=5)
     assert reply.status_code == 401
+
+
+def test_a_malformed_body_without_a_token_is_401_not_a_parse_error(
+    scaled: tuple[str, LocalScaler],
+) -> None:
+    """FastAPI parses a JSON body before any dependency runs; the credentials come first."""
+    url, scaler = scaled
+    for headers in ({"Content-Type": "application/json"}, BAD_CREDENTIALS["garbage"]):
+        reply = httpx.put(
+            f"{url}{REPLICAS}",
+            content=b"{not json",
+            headers={**headers, "Content-Type": "application/json"},
+            timeout=5,
+        )
+        assert reply.status_code == 401, reply.text
+        assert (
+            "needs credentials" in reply.json()["detail"]
+            or "not of the form" in (reply.json()["detail"])
+        )
+    assert scaler.desired_replicas() == 1
+
+
+class BodyReads:
+    """An ASGI wrapper that counts the body messages the app asked for, per request path."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.reads = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def counted() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                self.reads += 1
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def test_a_refused_request_has_its_body_never_read() -> None:
+    """On every route that changes the run: without a token the body is not even read; with
+    one it is, and is found malformed (so the count can see a read)."""
+    app = build_rest_app(
+        RunState("auth", MemberRegistry(60), 1), None, LocalScaler(1), MAX, secret=suite_secret()
+    )
+    changes = [(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods
+               if m not in ("GET", "HEAD")]  # fmt: skip
+    assert changes
+    spy = BodyReads(app)
+    json = {"Content-Type": "application/json"}
+    with TestClient(spy) as client:
+        for method, path in changes:
+            spy.reads = 0
+            reply = client.request(method, path, content=b"{not json", headers=json)
+            assert reply.status_code == 401 and spy.reads == 0, (method, path, spy.reads)
+            reply = client.request(
+                method, path, content=b"{not json", headers={**json, **operator_headers()}
+            )
+            assert reply.status_code == 422 and spy.reads > 0, (method, path, reply.text)
 
 
 BAD_CREDENTIALS = {

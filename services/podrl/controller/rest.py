@@ -4,17 +4,22 @@ Reading is open (probes, status, history, metrics, dashboard); every route that 
 run (any method but GET/HEAD: today ``PUT /v1/workers/replicas``) requires a bearer token
 signed with the run secret of a role in ``REST_CHANGE_ROLES`` (operator or controller): 401
 without one or with a wrong one, 403 for another role (docs/security.md, "The REST API").
+The route class checks the token before FastAPI reads or parses the body, so a refused caller
+learns nothing about what a valid body looks like and makes the controller read no bytes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -43,9 +48,13 @@ class ReplicasView(BaseModel):
     max_replicas: int = Field(description="The most that may be asked for (max_worker_pods).")
 
 
-#: Where the token goes (also declares the scheme in the OpenAPI document). Not auto_error:
-#: FastAPI would answer 403 to a missing header; a missing credential is a 401 here.
+#: Declares the bearer scheme in the OpenAPI document. The token itself is checked by the route
+#: class (:func:`credentials_first_route`), before the body is read; this dependency only
+#: documents it.
 _BEARER = HTTPBearer(auto_error=False, description="`<role>.<worker id>.<mac>`: podrl scale")
+
+#: Methods that read: open to everyone. Every other method changes the run and is checked.
+READ_METHODS = frozenset({"GET", "HEAD"})
 
 
 def _refuse(request: Request, status: int, message: str) -> HTTPException:
@@ -56,14 +65,14 @@ def _refuse(request: Request, status: int, message: str) -> HTTPException:
     return HTTPException(status, message, headers=headers)
 
 
-def change_guard(secret: RunSecret | None, auth_disabled: bool) -> Callable[..., Caller | None]:
-    """The FastAPI dependency of every route that changes the run: the verified caller (None
-    when ``auth_disabled``), else 401/403 with a JSON ``detail`` saying what is missing."""
+def change_guard(
+    secret: RunSecret | None, auth_disabled: bool
+) -> Callable[[Request], Caller | None]:
+    """The check of every route that changes the run: the verified caller (None when
+    ``auth_disabled``), else raises 401/403 with a JSON ``detail`` saying what is missing. It
+    reads the request's headers only, never its body."""
 
-    def guard(
-        request: Request,
-        bearer: HTTPAuthorizationCredentials | None = Depends(_BEARER),  # noqa: B008
-    ) -> Caller | None:
+    def guard(request: Request) -> Caller | None:
         if auth_disabled:
             return None
         fix = (
@@ -71,11 +80,12 @@ def change_guard(secret: RunSecret | None, auth_disabled: bool) -> Callable[...,
             "run secret (podrl scale makes it from PODRL_RUN_SECRET_FILE, PODRL_RUN_SECRET or "
             "the run dir's run-secret; docs/security.md)"
         )
-        if bearer is None:
+        scheme, token = get_authorization_scheme_param(request.headers.get("Authorization"))
+        if scheme.lower() != "bearer" or not token:
             raise _refuse(request, 401, f"this call changes the run: it needs credentials; {fix}")
         if secret is None:  # built without the secret and not told auth is off: refuse all
             raise _refuse(request, 401, "this controller holds no run secret; no change accepted")
-        caller = secret.verify_rest_token(bearer.credentials)
+        caller = secret.verify_rest_token(token)
         if isinstance(caller, str):
             raise _refuse(request, 401, f"{caller}; {fix}")
         if caller.role not in REST_CHANGE_ROLES:
@@ -88,6 +98,35 @@ def change_guard(secret: RunSecret | None, auth_disabled: bool) -> Callable[...,
         return caller
 
     return guard
+
+
+def credentials_first_route(guard: Callable[[Request], Caller | None]) -> type[APIRoute]:
+    """A route class that runs ``guard`` on every route whose methods are not all reads, before
+    FastAPI's handler reads the body, parses it or solves any dependency (a dependency would
+    run only after the body was parsed: a caller without credentials would get a 422 that
+    describes a valid body). The verified caller is left in ``request.state.caller``."""
+
+    class CredentialsFirstRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            if self.methods <= READ_METHODS:
+                return handler
+
+            async def checked(request: Request) -> Response:
+                request.state.caller = guard(request)
+                return await handler(request)
+
+            return checked
+
+    return CredentialsFirstRoute
+
+
+def verified_caller(
+    request: Request,
+    _bearer: HTTPAuthorizationCredentials | None = Depends(_BEARER),  # noqa: B008
+) -> Caller | None:
+    """The caller :func:`credentials_first_route` verified (None when auth is disabled)."""
+    return request.state.caller
 
 
 def build_rest_app(
@@ -110,8 +149,9 @@ def build_rest_app(
         description="Status of a podrl run: probes, run status, workers and metrics.",
     )
 
+    # Before any route is added: every route is made with this class.
+    app.router.route_class = credentials_first_route(change_guard(secret, auth_disabled))
     dashboard_html = (Path(__file__).parent / "dashboard.html").read_text()
-    guard = change_guard(secret, auth_disabled)
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
@@ -202,7 +242,7 @@ def build_rest_app(
     )
     def put_replicas(
         body: ReplicasRequest,
-        caller: Caller | None = Depends(guard),  # noqa: B008
+        caller: Caller | None = Depends(verified_caller),  # noqa: B008
     ) -> ReplicasView:
         if body.replicas > max_replicas:  # the same 422 as the model's own checks
             raise HTTPException(
