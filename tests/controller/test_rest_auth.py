@@ -135,6 +135,26 @@ def test_a_refused_request_has_its_body_never_read() -> None:
             assert reply.status_code == 422 and spy.reads > 0, (method, path, reply.text)
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_number_is_a_422_naming_the_field(
+    scaled: tuple[str, LocalScaler], number: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Python's JSON parser takes NaN and Infinity; FastAPI's own 422 handler then raised
+    encoding the echoed input (a 500 and a traceback in the controller's log)."""
+    url, scaler = scaled
+    headers = {**operator_headers(), "Content-Type": "application/json"}
+    with caplog.at_level(logging.ERROR):
+        reply = httpx.put(
+            f"{url}{REPLICAS}", content=f'{{"replicas": {number}}}', headers=headers, timeout=5
+        )
+    assert reply.status_code == 422, reply.text
+    (error,) = reply.json()["detail"]
+    assert error["loc"] == ["body", "replicas"] and error["input"] == number
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert scaler.desired_replicas() == 1
+    assert _put(url, operator_headers(), replicas=2).status_code == 202  # still serving
+
+
 BAD_CREDENTIALS = {
     "another run's secret": _bearer(RunSecret(secrets.token_hex(32).encode(), "t").rest_token(
         OPERATOR, "podrl-scale")),

@@ -11,11 +11,14 @@ learns nothing about what a valid body looks like and makes the controller read 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -129,6 +132,27 @@ def verified_caller(
     return request.state.caller
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by its JSON5 name ("NaN",
+    "Infinity", "-Infinity"): Python's JSON parser accepts those literals in a body, and a
+    validation error that echoes one back cannot be encoded as strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 for a request that does not validate, encodable whatever the input held
+    (its own handler raises on a NaN in the echoed input: the connection was cut and a
+    traceback logged instead of a 422)."""
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+
+
 def build_rest_app(
     state: RunState,
     store: RunStore | None = None,
@@ -151,6 +175,7 @@ def build_rest_app(
 
     # Before any route is added: every route is made with this class.
     app.router.route_class = credentials_first_route(change_guard(secret, auth_disabled))
+    app.add_exception_handler(RequestValidationError, _validation_error)
     dashboard_html = (Path(__file__).parent / "dashboard.html").read_text()
 
     @app.get("/", include_in_schema=False)
