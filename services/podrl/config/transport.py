@@ -28,6 +28,20 @@ class GrpcConfig(Section):
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="On SIGTERM, how long in-flight RPCs may run before they are cut."
     )
+    keepalive_seconds: float = Field(
+        30.0,
+        ge=1.0,
+        le=7200.0,
+        description="How often a client pings a server it is connected to (during a call and "
+        "between calls) to find a peer that is gone; servers accept pings this often.",
+    )
+    keepalive_timeout_seconds: float = Field(
+        10.0,
+        ge=1.0,
+        le=3600.0,
+        description="How long a client waits for a ping's answer before it deems the "
+        "connection dead (its calls then fail with UNAVAILABLE).",
+    )
 
 
 class LogConfig(Section):
