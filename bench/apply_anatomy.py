@@ -1,4 +1,4 @@
-"""Where a weight sync's milliseconds go, part by part (bench only; issue 16).
+"""Where a weight sync's milliseconds go, part by part (bench only).
 
 ``bench/vllm_cuda.py`` runs this after its sync measurement: a few more syncs, each part of
 the path timed by wrapping the function that does it (wall time per call, added up per

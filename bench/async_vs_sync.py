@@ -23,7 +23,7 @@ run leaves:
 A mode's row has the median ``steps_per_s`` over its runs, the final accuracy and curves of
 its median run (the lower one of an even count), and every run in ``runs``. The async row
 carries ``speedup`` (its steps/s over sync's) and ``accuracy_gap`` (sync's final accuracy minus
-its own). Target (issue 19): ``speedup`` >= 1.3 and ``accuracy_gap`` <= 0.05. The machine's
+its own). Target: ``speedup`` >= 1.3 and ``accuracy_gap`` <= 0.05. The machine's
 load (``uptime``) is recorded before and after each run: on a shared 2-core machine the
 generator and the trainer compete for the same cores, so the speedup measured depends on what
 else runs.

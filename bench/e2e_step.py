@@ -1,6 +1,6 @@
 """Per-step cost of the CPU demo: podrl's services against the single-process GRPO loop.
 
-The workload of issue 18: the demo's warm-started tiny Qwen3 (``make_tiny_model``, then the
+The workload: the demo's warm-started tiny Qwen3 (``make_tiny_model``, then the
 demo's supervised warm-start: 30 steps at lr 2e-4), the demo's copy task and rewards
 (``0.5 exact_match + 0.5 char_match``), ``--prompts`` 16 prompts x ``--group`` 8 samples at
 temperature 0.3, ``--max-tokens`` 6, ``--steps`` 200 steps, lr 5e-4, GRPO loss. Both systems

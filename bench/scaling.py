@@ -17,7 +17,7 @@ shared machine's speed during the script falls on every count. A count's row is 
 median ``sync_ms`` (the lower one of an even count), with every run in ``runs``; the ratio is
 between those rows.
 
-Target (issue 12): ``sync_ms`` flat in P, at most 1.2x from 1 to 3 pods, since weight sync stays
+Target: ``sync_ms`` flat in P, at most 1.2x from 1 to 3 pods, since weight sync stays
 inside each pod. Throughput is reported, not judged: on a 2-core machine P pods share the same
 two cores, so steps do not get faster and per-pod work (sync included) competes for CPU.
 

@@ -24,7 +24,7 @@ tokens (``trainer.micro_batch_tokens``), the 16,384 tokens a padded micro-batch 
 holds.
 
 tokens/s counts real tokens (prompt + completion, never padding) per second of the median step
-after ``--warmup`` steps. MFU follows issue 17: FLOPs/token = 6·N + 12·L·H·Q·T with N = every
+after ``--warmup`` steps. MFU: FLOPs/token = 6·N + 12·L·H·Q·T with N = every
 matmul parameter (attention and MLP projections of all layers plus the vocabulary projection,
 a tied lm_head counted once), L layers, H heads, Q head dim, T the token's sequence length;
 achieved FLOP/s over the H200's dense bf16 peak, 989 TFLOP/s. Peak memory = the largest
@@ -98,7 +98,7 @@ def peak_gib() -> float:
 
 
 def matmul_params(cfg: dict) -> int:
-    """N of issue 17: every matmul weight, the (tied) vocabulary projection once."""
+    """N of the MFU formula: every matmul weight, the (tied) vocabulary projection once."""
     d, inter, q = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     attention = d * heads * q * 2 + d * kv * q * 2  # q, o and k, v
@@ -107,7 +107,7 @@ def matmul_params(cfg: dict) -> int:
 
 
 def step_flops(cfg: dict, lengths: list[int]) -> float:
-    """Training FLOPs of one step over sequences of ``lengths`` tokens (issue 17's formula)."""
+    """Training FLOPs of one step over sequences of ``lengths`` tokens (the MFU formula)."""
     n = matmul_params(cfg)
     per_t = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"]
     return float(sum(t * (6 * n + per_t * t) for t in lengths))
