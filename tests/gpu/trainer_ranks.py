@@ -35,8 +35,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     )  # fmt: skip
     from podrl.config import load_config
     from podrl.trainer.engine import TrainerEngine
+    from podrl.trainer.weight_publishing import TrainerWeightSync
     from podrl.v1 import trainer_pb2
-    from podrl.weights.trainer_weight_sync import TrainerWeightSync
     from tests.trainer.rank_worker import make_request
 
     out_dir = Path(out)

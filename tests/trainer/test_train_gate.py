@@ -32,9 +32,9 @@ from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.trainer.servicer import TrainerServicer
+from podrl.trainer.weight_publishing import TrainerWeightSync, register_weight_commands
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from podrl.weights.errors import PublishError
-from podrl.weights.trainer_weight_sync import TrainerWeightSync, register_weight_commands
 from tests.trainer.rank_worker import config_env, make_request
 
 # How long the gate gives a concurrent PublishWeights to (wrongly) finish before the step.

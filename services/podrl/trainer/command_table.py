@@ -12,6 +12,7 @@ from pathlib import Path
 
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.rank_command_loop import CommandLoop
+from podrl.trainer.weight_publishing import register_weight_commands
 from podrl.v1 import trainer_pb2
 
 TRAIN = "train"
@@ -61,9 +62,7 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
 def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
     """Every command of the trainer, registered identically on every rank."""
     register_builtin_commands(loop, engine)
-    # Weight publishing (owned by podrl.weights): every rank publishes its own shards.
-    from podrl.weights.trainer_weight_sync import register_weight_commands
-
+    # Weight publishing: every rank publishes its own shards.
     register_weight_commands(
         loop, engine, rank=engine.env.rank, publisher_id=engine.config.worker_id
     )

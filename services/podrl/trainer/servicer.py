@@ -1,7 +1,7 @@
 """gRPC Trainer service (rank 0). Each RPC that changes or reads sharded state runs on every
 rank through the rank command loop; validation happens here first, so a bad request never
 reaches the other ranks. PublishWeights/AcknowledgeWeights run the weight-transfer layer's
-commands (``podrl.weights.trainer_weight_sync``).
+commands (``podrl.trainer.weight_publishing``).
 
 Train (docs/trainer.md):
 
@@ -34,6 +34,7 @@ from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine, never_cancelled
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
+from podrl.trainer.weight_publishing import ACKNOWLEDGE_WEIGHTS, PUBLISH_WEIGHTS
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -192,13 +193,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             reply = self._run(command_table.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
 
-    # -- weight publishing (podrl.weights.trainer_weight_sync) ------------------------------------
+    # -- weight publishing (podrl.trainer.weight_publishing) --------------------------------------
 
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
-        from podrl.weights.trainer_weight_sync import PUBLISH_WEIGHTS
-
         try:
             with self._lock:  # never between a Train's gate check and its step
                 reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
@@ -210,8 +209,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def AcknowledgeWeights(
         self, request: trainer_pb2.AcknowledgeWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.AcknowledgeWeightsResponse:
-        from podrl.weights.trainer_weight_sync import ACKNOWLEDGE_WEIGHTS
-
         with self._lock:
             self._run(ACKNOWLEDGE_WEIGHTS, request, context)
         return trainer_pb2.AcknowledgeWeightsResponse()

@@ -18,7 +18,7 @@ holds version v").
 
 Weights holding NaN or infinity are never published: :meth:`WeightPublisher.prepare` refuses
 them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
-agrees on that first (``podrl.weights.trainer_weight_sync``). The assembler signs every manifest
+agrees on that first (``podrl.trainer.weight_publishing``). The assembler signs every manifest
 with the pod's weights key (``podrl.weights.keys``).
 """
 

@@ -1,4 +1,4 @@
-"""The trainer's PUBLISH/ACK rank commands (registered into ``podrl.trainer``'s command loop).
+"""The trainer's PUBLISH/ACK rank commands (registered into the trainer's rank command loop).
 
 ``publish_weights`` runs on every rank: each rank prepares its own shards
 (:class:`~podrl.weights.publisher.WeightPublisher` over ``engine.model``), the ranks' protobuf
@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from podrl.trainer.errors import TrainNotAllowedError
 from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_bytes, gather_publications
 from podrl.weights.errors import PublishError
@@ -80,8 +81,6 @@ class TrainerWeightSync:
         the ack travels through the same rank command loop that a running Train occupies, so
         waiting inside the step could only time out."""
         if self.publisher.must_wait_before_step:
-            from podrl.trainer.errors import TrainNotAllowedError
-
             raise TrainNotAllowedError(
                 f"version {self.publisher.pending_version} was published from the live GPU "
                 "parameters and is not acknowledged; call AcknowledgeWeights after ApplyWeights"
