@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+import podrl.weights.codec as codec
+import podrl.weights.dtypes as dtypes
 from podrl.v1 import weights_pb2
-from podrl.weights import codec, dtypes
 
 
 @dataclass

@@ -31,8 +31,11 @@ from typing import Literal
 
 import torch
 
+import podrl.weights.codec as codec
+import podrl.weights.cuda_ipc as cuda_ipc
+import podrl.weights.manifest as manifest
+import podrl.weights.shm as shm
 from podrl.v1 import weights_pb2
-from podrl.weights import codec, cuda_ipc, manifest, shm
 from podrl.weights.errors import PublishError
 from podrl.weights.finite import first_non_finite
 from podrl.weights.keys import WeightsKey

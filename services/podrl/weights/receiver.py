@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+import podrl.weights.codec as codec
+import podrl.weights.cuda_ipc as cuda_ipc
+import podrl.weights.dtypes as dtypes
+import podrl.weights.shm as shm
 from podrl.v1 import weights_pb2
-from podrl.weights import codec, cuda_ipc, dtypes, shm
 from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
 from podrl.weights.finite import FiniteCheck
