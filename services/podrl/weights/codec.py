@@ -117,19 +117,3 @@ def placement_label(placement: weights_pb2.Placement) -> str:
     if kind == "partial":
         return f"Partial({placement.partial.reduce_op})"
     return "Replicate()" if kind == "replicate" else "unset"
-
-
-def manifest_summary(manifest: weights_pb2.WeightManifest) -> str:
-    """One line for logs: version, fingerprint, shard count and bytes."""
-    nbytes = 0
-    for shard in manifest.shards:
-        kind = shard.storage.WhichOneof("kind")
-        if kind == "shm":
-            nbytes += shard.storage.shm.nbytes
-        elif kind == "cuda_ipc":
-            nbytes += shard.storage.cuda_ipc.nbytes
-    mode = "version-only" if manifest.version_only else "full"
-    return (
-        f"manifest v{manifest.version} {mode} fingerprint={manifest.model_fingerprint[:12]} "
-        f"shards={len(manifest.shards)} bytes={nbytes}"
-    )
