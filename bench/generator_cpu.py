@@ -56,7 +56,6 @@ from podrl.weights.keys import (  # noqa: E402
 from podrl.weights.publisher import (  # noqa: E402
     ManifestAssembler,
     WeightPublisher,
-    publish_single_process,
 )
 
 WORKER_ID = "bench-generator"
@@ -105,13 +104,12 @@ def _apply_ms(
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(0.01 * torch.randn_like(param))
-            manifest = publish_single_process(
-                publisher, assembler, version, force_full=version % 2 == 1, ack_timeout=5
-            )
+            part = publisher.start(version, ack_timeout=5)
+            manifest = assembler.assemble(version, [part], force_full=version % 2 == 1)
             started = time.perf_counter()
             engine.apply_manifest(manifest, timeout=60)
             seconds = time.perf_counter() - started
-            publisher.acknowledge(version)
+            publisher.finish(version)
             if version > 2:  # the first of each kind compiles the copy plan
                 (version_only if manifest.version_only else full).append(seconds)
     finally:

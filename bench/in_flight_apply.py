@@ -50,7 +50,7 @@ def _apply(gen: Any, policy: Policy, version: int, in_flight: bool) -> tuple[flo
         generator_pb2.ApplyWeightsRequest(manifest=manifest, in_flight=in_flight), timeout=60
     )
     seconds = time.perf_counter() - started
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     assert reply.in_flight == in_flight, "the engine did not apply as asked"
     return seconds, reply.apply_seconds
 

@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
@@ -300,6 +301,14 @@ def _run_variant(plan, variant: str) -> None:
     plan.wait()
 
 
+class FullWalkPublisher(WeightPublisher):
+    """The legacy variant's publisher: every publish walks every parameter's storage (the
+    path before the cached storage snapshot)."""
+
+    def _same_storage(self, params: Mapping[str, torch.Tensor]) -> bool:
+        return False
+
+
 def receiver_options(variant: str) -> dict:
     """WeightReceiver options of a variant: the previous copy path or the current one."""
     if variant == "legacy":
@@ -445,7 +454,7 @@ def _run_variant_phase(
     )
     proc.start()
     try:
-        publisher = WeightPublisher(lambda: params, fast_storage_check=variant != "legacy")
+        publisher = (FullWalkPublisher if variant == "legacy" else WeightPublisher)(lambda: params)
         assembler = ManifestAssembler("bench")
         version = 0
         info: dict = {}
@@ -481,8 +490,8 @@ def _run_variant_phase(
             return stages
 
         def podrl(v: int, keep: list) -> weights_pb2.WeightManifest:
-            part = publisher.prepare(v)
-            publisher.acknowledge(v)  # the ack of v-1 arrived before we got here
+            part = publisher.start(v)
+            publisher.finish(v)  # the ack of v-1 arrived before we got here
             return assembler.assemble(v, [part])
 
         runs = [("podrl", "podrl", podrl)]

@@ -61,12 +61,12 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
     for version in (1, 2):
         if version == 2:
             wait_for(out / "ack-1", timeout=600)
-            publisher_.acknowledge(1)
+            publisher_.finish(1)
             torch.manual_seed(100 + rank)  # an "optimizer step": in place, per local shard
             with torch.no_grad():
                 for param in model.parameters():
                     param.to_local().add_(0.3 * torch.randn_like(param.to_local()))
-        parts = gather_publications(publisher_.prepare(version))
+        parts = gather_publications(publisher_.start(version))
         if rank == 0:
             manifest = assembler.assemble(version, parts)
             write_atomic(out / f"manifest-{version}.bin", manifest.SerializeToString())

@@ -16,8 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
-from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
+from podrl.weights import ManifestAssembler, WeightPublisher
 from tests.generator.conftest import WORKER_ID, GeneratorProcess
+from tests.harness.weights import publish_single_process
 
 LOGPROB_TOLERANCE = 1e-4
 OTHER_VERSION_MIN_DIFF = 1e-3

@@ -225,7 +225,7 @@ def test_new_weights_change_samples_and_logprobs_follow(
     before = generate(generator, n=2, seed=31)
     policy.perturb()
     reply = apply(generator, policy.manifest(1))
-    policy.publisher.acknowledge(1)
+    policy.publisher.finish(1)
     policy.version = 1
     print(f"apply v1 (full manifest, plan compiled): {reply.apply_seconds * 1e3:.1f} ms")
     assert reply.policy_version == 1 and not reply.plan_cached
@@ -244,7 +244,7 @@ def test_version_only_update_reuses_the_plan(generator: GeneratorProcess, policy
     manifest = policy.manifest(2)
     assert manifest.version_only
     reply = apply(generator, manifest)
-    policy.publisher.acknowledge(2)
+    policy.publisher.finish(2)
     policy.version = 2
     print(f"apply v2 (version-only, cached plan): {reply.apply_seconds * 1e3:.1f} ms")
     assert reply.policy_version == 2 and reply.plan_cached
@@ -266,7 +266,7 @@ def test_a_prompt_cached_before_a_swap_is_computed_again_with_the_new_weights(
     policy.perturb(0.3)
     version = policy.version + 1
     apply(generator, policy.manifest(version))
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
     again = generate(generator, long_prompt, n=1, temperature=0.0, max_tokens=8).samples[0]
     assert again.policy_version == version
@@ -310,7 +310,7 @@ def test_bad_manifests_are_rejected_and_old_weights_keep_serving(
     # (stale: an older version than the one served).
     version = policy.version - 1 if how == "stale" else policy.version + 1
     good = policy.manifest(version, force_full=True)
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     bad = _corrupt(good, how)
     generator.key.sign(bad)  # signed by the pod's trainer: the generator's other checks refuse it
     with pytest.raises(grpc.RpcError) as err:
@@ -344,7 +344,7 @@ def test_generate_calls_never_mix_versions(generator: GeneratorProcess, policy: 
             version = policy.version + 1
             policy.perturb(0.3)
             apply(generator, policy.manifest(version))
-            policy.publisher.acknowledge(version)
+            policy.publisher.finish(version)
             policy.version = version
     finally:
         stop.set()
@@ -384,7 +384,7 @@ def test_reapplying_the_served_version_is_a_no_op(
     storage is accepted again without copying anything."""
     before = generate(generator, n=2, seed=61)
     manifest = policy.manifest(policy.version, force_full=True)
-    policy.publisher.acknowledge(policy.version)
+    policy.publisher.finish(policy.version)
     reply = apply(generator, manifest)
     assert reply.policy_version == policy.version and reply.plan_cached
     after = generate(generator, n=2, seed=61)
@@ -401,7 +401,7 @@ def test_rollback_to_an_older_version_needs_the_flag_and_a_full_manifest(
     policy.perturb(0.3)
     newer = older + 1
     apply(generator, policy.manifest(newer))
-    policy.publisher.acknowledge(newer)
+    policy.publisher.finish(newer)
     policy.version = newer
     served = generate(generator, n=1, seed=71).samples[0]
     assert served.policy_version == newer
@@ -410,7 +410,7 @@ def test_rollback_to_an_older_version_needs_the_flag_and_a_full_manifest(
     # The trainer restarted from the checkpoint of `older`: its weights, its version.
     policy.load(older)
     manifest = policy.manifest(older, force_full=True)
-    policy.publisher.acknowledge(older)
+    policy.publisher.finish(older)
     with pytest.raises(grpc.RpcError) as err:
         apply(generator, manifest)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -442,7 +442,7 @@ def test_rollback_to_an_older_version_needs_the_flag_and_a_full_manifest(
     # once more, with other weights than the first time.
     policy.perturb(0.3)
     apply(generator, policy.manifest(newer))
-    policy.publisher.acknowledge(newer)
+    policy.publisher.finish(newer)
     policy.version = newer
     sample = generate(generator, n=1, seed=72).samples[0]
     assert sample.policy_version == newer

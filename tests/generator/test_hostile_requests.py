@@ -39,7 +39,7 @@ def policy(generator: GeneratorProcess) -> Iterator[Policy]:
     policy = Policy(generator)
     policy.perturb()
     apply(generator, policy.manifest(1))
-    policy.publisher.acknowledge(1)
+    policy.publisher.finish(1)
     policy.version = 1
     yield policy
     policy.publisher.close()
@@ -164,8 +164,8 @@ def test_a_manifest_without_the_pods_mac_is_permission_denied(generator, policy)
         worker_id = info(generator).info.worker_id
         for key in (None, WeightsKey(b"s" * 32, os.geteuid())):
             assembler = ManifestAssembler(worker_id, key)
-            forged = assembler.assemble(policy.version + 1, [stranger.prepare(policy.version + 1)])
-            stranger.acknowledge(policy.version + 1)
+            forged = assembler.assemble(policy.version + 1, [stranger.start(policy.version + 1)])
+            stranger.finish(policy.version + 1)
             _refused(lambda m=forged: apply(generator, m), grpc.StatusCode.PERMISSION_DENIED)
             for rollback in (True, False):  # the forged rollback too
                 older = _copy(forged)
@@ -185,7 +185,7 @@ def test_a_rollback_to_the_served_version_is_refused(generator, policy) -> None:
     served = policy.snapshot()
     policy.perturb(0.3)
     manifest = policy.manifest(policy.version, force_full=True)
-    policy.publisher.acknowledge(policy.version)
+    policy.publisher.finish(policy.version)
     _refused(
         lambda: apply(generator, manifest, rollback=True),
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -207,7 +207,7 @@ def test_a_symlink_under_a_segment_name_is_never_opened(generator, policy, tmp_p
     try:
         version = policy.version + 1
         manifest = _copy(policy.manifest(version, force_full=True))
-        policy.publisher.acknowledge(version)
+        policy.publisher.finish(version)
         handle = next(s for s in manifest.shards if s.name == NORM).storage.shm
         handle.name, handle.offset = planted.name, 0
         handle.segment_nbytes = os.stat(planted).st_size
@@ -229,7 +229,7 @@ def test_an_oversized_manifest_never_blocks_generate_nor_the_next_version(
     reaches the workers and is refused there; Info and the workers agree throughout, and the
     trainer's next version applies."""
     good = policy.manifest(policy.version + 1, force_full=True)
-    policy.publisher.acknowledge(policy.version + 1)
+    policy.publisher.finish(policy.version + 1)
     flood = _copy(good)
     template = next(s for s in flood.shards if s.name == NORM)
     for _ in range(16_641):
@@ -271,7 +271,7 @@ def test_an_oversized_manifest_never_blocks_generate_nor_the_next_version(
     policy.perturb(0.3)
     version = policy.version + 1
     reply = apply(generator, policy.manifest(version))
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
     assert reply.policy_version == version
     _serves(generator, policy)
@@ -292,13 +292,13 @@ def test_nan_weights_are_neither_published_nor_applied(generator, policy) -> Non
         policy.manifest(version)
     policy.model.load_state_dict(served)
     manifest = policy.manifest(version)
-    staging = policy.publisher._staging
+    staging = policy.publisher._storage
     view = next(v for v in staging.views if v.dim() == 2)
     view[0, 0] = float("nan")
     try:
         _refused(lambda: apply(generator, manifest), grpc.StatusCode.FAILED_PRECONDITION, "NaN")
     finally:
-        policy.publisher.acknowledge(version)
+        policy.publisher.finish(version)
         policy.snapshots.pop(version, None)
     _serves(generator, policy)
 
@@ -312,7 +312,7 @@ def test_generate_never_answers_ok_with_non_finite_logprobs(generator, policy) -
         head.copy_(torch.sign(torch.randn_like(head)) * 3e38)
     version = policy.version + 1
     apply(generator, policy.manifest(version))
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
     _refused(
         lambda: generate(generator, temperature=0.0, max_tokens=4),
@@ -322,6 +322,6 @@ def test_generate_never_answers_ok_with_non_finite_logprobs(generator, policy) -
     policy.model.load_state_dict(good)
     version += 1
     apply(generator, policy.manifest(version))
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
     _serves(generator, policy)

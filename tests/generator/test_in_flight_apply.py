@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
-from podrl.weights import publish_single_process
 from tests.generator.conftest import GeneratorProcess, running_generator
 from tests.generator.policy import LOGPROB_TOLERANCE, Policy, generate, info
+from tests.harness.weights import publish_single_process
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def apply(
     reply = generator.stub.ApplyWeights(
         generator_pb2.ApplyWeightsRequest(manifest=manifest, in_flight=in_flight), timeout=120
     )
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
     return reply
 
@@ -93,7 +93,7 @@ def stale_manifest(policy: Policy) -> weights_pb2.WeightManifest:
     manifest = publish_single_process(
         policy.publisher, policy.assembler, version, force_full=True, ack_timeout=5
     )
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     return manifest
 
 

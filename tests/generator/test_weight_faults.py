@@ -73,7 +73,7 @@ def policy(generator: GeneratorProcess) -> Iterator[Policy]:
     policy = Policy(generator)
     policy.perturb()
     reply = apply(generator, policy.manifest(1))
-    policy.publisher.acknowledge(1)
+    policy.publisher.finish(1)
     policy.version = 1
     assert reply.policy_version == 1 and not reply.plan_cached
     yield policy
@@ -86,7 +86,7 @@ def _next_weights(generator: GeneratorProcess, policy: Policy, version: int) -> 
     failed test, or alone with ``-k``)."""
     pending = policy.publisher.pending_version  # left by a test that failed
     if pending is not None:
-        policy.publisher.acknowledge(pending)
+        policy.publisher.finish(pending)
     if policy.version != version - 1:
         policy.perturb(0.3)
         apply(generator, policy.manifest(version - 1, force_full=True))
@@ -95,7 +95,7 @@ def _next_weights(generator: GeneratorProcess, policy: Policy, version: int) -> 
 
 
 def _served(policy: Policy, version: int) -> None:
-    policy.publisher.acknowledge(version)
+    policy.publisher.finish(version)
     policy.version = version
 
 

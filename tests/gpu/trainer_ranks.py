@@ -70,7 +70,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
         while not stop.is_set():
             if (out_dir / f"ack-{acked + 1}").exists():
                 acked += 1
-                sync.publisher.acknowledge(acked)
+                sync.publisher.finish(acked)
             time.sleep(0.005)
 
     listener = threading.Thread(target=acknowledge_when_told, daemon=True)
@@ -107,5 +107,5 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
         wait_for(out_dir / "done", timeout=600)
     finally:
         stop.set()
-        sync.close()
+        sync.publisher.close()
         engine.close()

@@ -74,7 +74,7 @@ def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
         channel.close()
         server.stop(grace=None)
         loop.shutdown()
-        sync.close()
+        sync.publisher.close()
         engine.close()
 
 

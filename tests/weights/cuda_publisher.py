@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from podrl.weights import ManifestAssembler, ModelDescription, WeightPublisher
-from podrl.weights.publisher import publish_single_process
+from tests.harness.weights import publish_single_process
 from tests.weights.tiny_qwen3 import CONFIG
 
 
@@ -27,7 +27,7 @@ def main(out_dir: str) -> None:
                 time.sleep(0.02)
             # Published from the live GPU tensors: the step must wait for the ack.
             assert publisher.must_wait_before_step and publisher.pending_version == 1
-            publisher.acknowledge(1)
+            publisher.finish(1)
             for tensor in params.values():
                 tensor.add_(1.0)  # the optimizer step, in place
         update = publish_single_process(publisher, assembler, version)

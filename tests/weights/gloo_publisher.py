@@ -79,12 +79,12 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         for version in (1, 2):
             if version == 2:
                 wait_for(out / f"ack-{mesh_kind}-1")
-                publisher.acknowledge(1)
+                publisher.finish(1)
                 with torch.no_grad():
                     for param in model.parameters():
                         local = param.to_local() if hasattr(param, "to_local") else param
                         local.add_(1.0)
-            parts = gather_publications(publisher.prepare(version))
+            parts = gather_publications(publisher.start(version))
             if rank == 0:
                 manifest = assembler.assemble(version, parts)
                 tmp = out / f"manifest-{mesh_kind}-{version}.tmp"

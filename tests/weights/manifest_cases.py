@@ -17,9 +17,9 @@ from podrl.weights import (
     ModelDescription,
     WeightPublisher,
     WeightReceiver,
-    publish_single_process,
 )
 from podrl.weights.keys import WeightsKey
+from tests.harness.weights import publish_single_process
 from tests.weights.tiny_qwen3 import CONFIG
 
 Kind = ManifestErrorKind

@@ -15,8 +15,8 @@ from podrl.weights import (
     ManifestAssembler,
     ModelDescription,
     WeightPublisher,
-    publish_single_process,
 )
+from tests.harness.weights import publish_single_process
 from tests.weights.tiny_qwen3 import CONFIG
 
 

@@ -17,8 +17,8 @@ from podrl.weights import (
     PublishError,
     WeightPublisher,
     WeightReceiver,
-    publish_single_process,
 )
+from tests.harness.weights import publish_single_process
 from tests.weights.tiny_qwen3 import CONFIG
 
 Kind = ManifestErrorKind
@@ -114,7 +114,7 @@ def test_the_receiver_copies_any_version_it_holds_storage_for(trainer, receiver)
     """Version order is the generator's weight state's to check (tests/generator/
     test_weight_state.py), in one place; the receiver copies what a manifest names."""
     receiver.apply(trainer.publish(3))
-    trainer.publisher.acknowledge(3)
+    trainer.publisher.finish(3)
     trainer.params["lm_head.weight"].add_(1.0)
     older = receiver.apply(trainer.publish(2, force_full=True))
     assert older.version == 2 and older.plan_cached
@@ -124,7 +124,7 @@ def test_the_receiver_copies_any_version_it_holds_storage_for(trainer, receiver)
 def test_fingerprint_change_needs_full_manifest(trainer, receiver) -> None:
     first = trainer.publish(1)
     receiver.apply(first)
-    trainer.publisher.acknowledge(1)
+    trainer.publisher.finish(1)
 
     # A version-only manifest naming storage the receiver never mapped is refused.
     forged = weights_pb2.WeightManifest(
@@ -134,7 +134,7 @@ def test_fingerprint_change_needs_full_manifest(trainer, receiver) -> None:
     # So is one sent to a receiver that has no plan yet.
     fresh = WeightReceiver(DESCRIPTION)
     _rejects(fresh, trainer.publish(2), Kind.FINGERPRINT, PRECONDITION)
-    trainer.publisher.acknowledge(2)
+    trainer.publisher.finish(2)
 
     # New storage (e.g. a checkpoint loaded into new tensors): the publisher sends a full
     # manifest with a new fingerprint by itself, and the receiver re-plans.
@@ -152,7 +152,7 @@ def test_publisher_waits_for_acknowledgement(trainer) -> None:
     with pytest.raises(PublishError):
         trainer.publish(2)
     trainer.publish(1, force_full=True)  # republishing the pending version is fine
-    trainer.publisher.acknowledge(1)
+    trainer.publisher.finish(1)
     assert trainer.publish(2).version_only
 
 
@@ -160,7 +160,7 @@ def test_live_staging_needs_cuda_parameters(trainer) -> None:
     """staging='live' exports the live parameters by CUDA IPC; CPU weights go through 'shm'."""
     live = WeightPublisher(lambda: trainer.params, staging="live")
     with pytest.raises(PublishError, match="staging='live' needs CUDA parameters"):
-        live.prepare(1)
+        live.start(1)
     live.close()
     with pytest.raises(ValueError, match="'auto', 'shm' or 'live'"):
         WeightPublisher(lambda: trainer.params, staging="direct")

@@ -39,8 +39,8 @@ def test_cached_storage_check_still_sees_every_storage_change() -> None:
     def publish() -> bool:
         nonlocal version
         version += 1
-        part = publisher.prepare(version)
-        publisher.acknowledge(version)
+        part = publisher.start(version)
+        publisher.finish(version)
         return assembler.assemble(version, [part]).version_only
 
     try:

@@ -71,7 +71,7 @@ def test_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
 
     applied = dict(receiver.apply(good))
     assert torch.equal(applied[NORM], trainer.params[NORM])
-    trainer.publisher.acknowledge(1)
+    trainer.publisher.finish(1)
     # Version-only manifests are signed too (a forged one would re-use mapped storage).
     follow = trainer.publish(2)
     assert follow.version_only and follow.mac
@@ -280,9 +280,9 @@ def test_non_finite_storage_is_never_copied(trainer) -> None:
     the version before."""
     receiver = make_receiver()
     receiver.apply(trainer.publish(1))
-    trainer.publisher.acknowledge(1)
+    trainer.publisher.finish(1)
     manifest = trainer.publish(2)
-    staging = trainer.publisher._staging
+    staging = trainer.publisher._storage
     for bad in (float("nan"), float("inf")):
         view = next(v for v in staging.views if v.dim() == 2)
         kept = view[0, 0].item()

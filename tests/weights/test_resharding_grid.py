@@ -74,7 +74,8 @@ def test_grid(gloo_trainer, mesh_kind: str) -> None:
 
 def test_plain_module_every_layout() -> None:
     """A trainer of one process (plain tensors), incl. TP 4 where vLLM replicates KV heads."""
-    from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
+    from podrl.weights import ManifestAssembler, WeightPublisher
+    from tests.harness.weights import publish_single_process
     from tests.weights.tiny_qwen3 import make_model
 
     model = make_model()

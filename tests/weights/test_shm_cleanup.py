@@ -117,8 +117,9 @@ def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
 ) -> None:
     """Before: the start time used to be encoded as 0, so every liveness check failed: the live
     segment was reaped and its manifest refused as STORAGE."""
-    from podrl.weights import ManifestAssembler, WeightPublisher, publish_single_process
+    from podrl.weights import ManifestAssembler, WeightPublisher
     from podrl.weights.shm import creator_alive, reap_orphaned_segments
+    from tests.harness.weights import publish_single_process
 
     _unreadable_proc(monkeypatch, tmp_path)
     params = _expected_params()

@@ -177,9 +177,10 @@ class PodrlWorkerExtension:
     ) -> dict[str, Any]:
         """Apply a serialised ``podrl.v1.WeightManifest`` (full or version-only).
 
-        The weight state admits it (version order, fingerprint, needs_full), then
-        ``podrl.weights.WeightReceiver`` validates its content, opens its handles once per
-        fingerprint and runs its cached copy plan: in ``in_place`` mode straight into vLLM's
+        The weight state admits it (version order, fingerprint, needs_full), then the worker's
+        ``podrl.weights.Receiver`` starts the update (validates its content, opens its handles
+        once per fingerprint) and updates (runs its cached copy plan): in ``in_place`` mode
+        straight into vLLM's
         parameters, in ``reload`` mode into full HF-named buffers that vLLM's layer-wise reload
         then loads. ``rollback`` accepts an older version (full manifests only) and reopens
         every handle. ``segment_owner_uid``: the user whose shared-memory segments may be
@@ -211,23 +212,25 @@ class PodrlWorkerExtension:
             receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
             if segment_owner_uid is not None:
                 receiver.segment_owner_uid = segment_owner_uid
-            # A refusal from the receiver comes before it writes anything: the block then
-            # leaves the state as it was.
+            # A refusal from the receiver (its start) comes before it writes anything: the
+            # block then leaves the state as it was.
             with weights.applying(manifest.version, manifest.model_fingerprint) as guard:
                 faults.hit("generator.apply_weights", version=manifest.version)
                 if resolved == "in_place":
                     params = dict(self.model_runner.get_model().named_parameters())
+                    receiver.start(manifest, destinations=params)
+                    guard.touching_served_weights()
                     # Returns when the copies are done (the copy plan waits for its streams).
-                    copied = receiver.apply(
-                        manifest, destinations=params, before_copy=guard.touching_served_weights
-                    )
+                    receiver.update()
+                    copied = receiver.finish()
                     faults.hit("generator.mid_copy", version=manifest.version)
                 elif resolved == "repack":
                     model = self.model_runner.get_model()
                     targets = self._podrl_repack_targets(model)
-                    copied = receiver.apply(
-                        manifest, destinations=targets, before_copy=guard.touching_served_weights
-                    )
+                    receiver.start(manifest, destinations=targets)
+                    guard.touching_served_weights()
+                    receiver.update()
+                    copied = receiver.finish()
                     faults.hit("generator.mid_copy", version=manifest.version)
                     _repack(model, targets)
                 else:

@@ -1,10 +1,10 @@
 """The trainer's PUBLISH/ACK rank commands (registered into the trainer's rank command loop).
 
-``publish_weights`` runs on every rank: each rank prepares its own shards
-(:class:`~podrl.weights.publisher.WeightPublisher` over ``engine.model``), the ranks' protobuf
-bytes are gathered to rank 0 over the model's process group (no pickle) and rank 0 assembles
-the manifest, which is its reply (``PublishWeightsResponse``). ``acknowledge_weights`` releases
-the published version on every rank.
+``publish_weights`` runs on every rank: each rank starts the version on its own shards
+(:class:`~podrl.weights.Publisher` ``start``, over ``engine.model``), the ranks' protobuf bytes
+are gathered to rank 0 over the model's process group (no pickle) and rank 0 assembles the
+manifest (``update``), which is its reply (``PublishWeightsResponse``). ``acknowledge_weights``
+finishes the published version on every rank (``finish``).
 
 On GPUs the FSDP2 parameters are published in place, so a Train is refused up front
 (FAILED_PRECONDITION) while a published version is unacknowledged, and an optimizer pre-step
@@ -37,6 +37,7 @@ from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_bytes, gather_publications
 from podrl.weights.errors import PublishError
 from podrl.weights.keys import load_trainer_key
+from podrl.weights.lifecycle import Publisher
 from podrl.weights.publisher import ManifestAssembler, WeightPublisher, non_finite_message
 
 PUBLISH_WEIGHTS = "publish_weights"
@@ -55,7 +56,7 @@ class _Engine(Protocol):
 
 
 class TrainerWeightSync:
-    """This rank's publisher (and, on rank 0, the manifest assembler)."""
+    """This rank's :class:`~podrl.weights.Publisher` (rank 0's also assembles the manifest)."""
 
     def __init__(
         self,
@@ -67,9 +68,9 @@ class TrainerWeightSync:
     ) -> None:
         self.engine = engine
         self.rank = rank
-        self.publisher = WeightPublisher(engine.model, rank=rank)
         # Only rank 0 assembles (and signs); it creates the key file if the pod has none yet.
-        self.assembler = ManifestAssembler(publisher_id, load_trainer_key() if rank == 0 else None)
+        assembler = ManifestAssembler(publisher_id, load_trainer_key()) if rank == 0 else None
+        self.publisher: Publisher = WeightPublisher(engine.model, rank=rank, assembler=assembler)
         self.ack_timeout = ack_timeout
         engine.optimizer.register_step_pre_hook(self._before_optimizer_step)
         gates = getattr(engine, "train_gates", None)
@@ -106,12 +107,12 @@ class TrainerWeightSync:
             if isinstance(module, FSDPModule):
                 module.reshard()
         self._require_finite_everywhere(version)
-        part = self.publisher.prepare(version, ack_timeout=0.0, check_finite=False)
+        part = self.publisher.start(version, ack_timeout=0.0, check_finite=False)
         several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         parts = gather_publications(part) if several else [part]
         if self.rank != 0:
             return b""
-        manifest = self.assembler.assemble(version, parts, force_full=request.force_full)
+        manifest = self.publisher.update(version, parts, force_full=request.force_full)
         return trainer_pb2.PublishWeightsResponse(manifest=manifest).SerializeToString()
 
     def _require_finite_everywhere(self, version: int) -> None:
@@ -138,11 +139,8 @@ class TrainerWeightSync:
 
     def acknowledge(self, payload: bytes) -> bytes:
         request = trainer_pb2.AcknowledgeWeightsRequest.FromString(payload)
-        self.publisher.acknowledge(request.version)
+        self.publisher.finish(request.version)
         return b""
-
-    def close(self) -> None:
-        self.publisher.close()
 
 
 def register_weight_commands(

@@ -1,5 +1,9 @@
 """The weight-transfer protocol (docs/architecture.md): trainer shards -> shared-memory handles
--> generator copy plan. Imports torch, never vLLM. See docs/weights.md."""
+-> generator copy plan. Imports torch, never vLLM. See docs/weights.md.
+
+Two interfaces with vLLM's phase names (start -> update -> finish, close;
+:mod:`podrl.weights.lifecycle`): :class:`Publisher` on the trainer, :class:`Receiver` on the
+generator; :class:`WeightPublisher` and :class:`WeightReceiver` implement them."""
 
 from podrl.weights.architectures import (
     ARCHITECTURE_TABLES,
@@ -10,13 +14,9 @@ from podrl.weights.architectures import (
     vllm_layout,
 )
 from podrl.weights.errors import ManifestError, ManifestErrorKind, PublishError
-from podrl.weights.publisher import (
-    ManifestAssembler,
-    RankPublication,
-    WeightPublisher,
-    publish_single_process,
-)
-from podrl.weights.receiver import CopiedWeights, WeightReceiver
+from podrl.weights.lifecycle import CopiedWeights, Publisher, RankPublication, Receiver
+from podrl.weights.publisher import ManifestAssembler, WeightPublisher
+from podrl.weights.receiver import WeightReceiver
 
 __all__ = [
     "ARCHITECTURE_TABLES",
@@ -26,12 +26,13 @@ __all__ = [
     "ManifestErrorKind",
     "ModelDescription",
     "PublishError",
+    "Publisher",
     "RankPublication",
+    "Receiver",
     "TargetLayout",
     "TargetTensor",
     "WeightPublisher",
     "WeightReceiver",
     "hf_layout",
-    "publish_single_process",
     "vllm_layout",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from podrl.weights.publisher import RankPublication
+from podrl.weights.lifecycle import RankPublication
 
 
 def gather_bytes(

@@ -1,15 +1,17 @@
-"""Trainer side: expose this rank's parameter shards through shared-memory handles.
+"""Trainer side: expose this rank's parameter shards through shared-memory or CUDA IPC handles.
 
-One :class:`WeightPublisher` per trainer rank; rank 0 merges the ranks' :class:`RankPublication`
-(plain protobuf bytes) into one ``WeightManifest`` with :class:`ManifestAssembler`.
+One :class:`WeightPublisher` per trainer rank, the :class:`~podrl.weights.lifecycle.Publisher`
+of ``podrl.weights``; rank 0 merges the ranks' :class:`RankPublication` (plain protobuf bytes)
+into one ``WeightManifest`` with its :class:`ManifestAssembler` (:meth:`WeightPublisher.update`).
 
 The trainer must not change published storage while a generator may read it:
 
-* **CPU** (``staging="shm"``): parameters are copied into a shared-memory *staging copy* when a
-  version is published; the optimizer may step freely, but the next :meth:`prepare` refreshes
-  the staging copy and so waits until the previous version was acknowledged.
-* **GPU** (``staging="live"``): the FSDP2 sharded parameters themselves are exported by CUDA
-  IPC (no copy). The optimizer updates them in place, so the trainer calls
+* **CPU** (``staging="shm"``, :class:`ShmStaging`): parameters are copied into a shared-memory
+  *staging copy* when a version is published; the optimizer may step freely, but the next
+  :meth:`~WeightPublisher.start` refreshes the staging copy and so waits until the previous
+  version was acknowledged (:meth:`~WeightPublisher.finish`).
+* **GPU** (``staging="live"``, :class:`CudaIpcExport`): the FSDP2 sharded parameters themselves
+  are exported by CUDA IPC (no copy). The optimizer updates them in place, so the trainer calls
   :meth:`wait_for_acknowledgement` before every optimizer step while a version is pending.
 
 A full manifest goes out the first time and whenever the storage fingerprint changes (or on
@@ -27,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -39,6 +41,7 @@ from podrl.v1 import weights_pb2
 from podrl.weights.errors import PublishError
 from podrl.weights.finite import first_non_finite
 from podrl.weights.keys import WeightsKey
+from podrl.weights.lifecycle import Publisher, RankPublication
 
 StagingMode = Literal["auto", "shm", "live"]
 """shm: a shared-memory staging copy (CPU); live: the live parameters by CUDA IPC, no copy (GPU);
@@ -46,33 +49,24 @@ auto: live for CUDA parameters, else shm."""
 DEFAULT_SEGMENT_BYTES = 1 << 30
 
 
-@dataclass
-class RankPublication:
-    """What one rank contributes to a manifest: its storage fingerprint and its shards."""
+class _Storage(Protocol):
+    """Where a generator reads this rank's shards: a staging copy, or the live parameters."""
 
-    rank: int
-    fingerprint: str
-    shards: list[weights_pb2.TensorShard]
+    handles: list[weights_pb2.TensorStorage]
+    live: bool
+    """True: the handles are the parameters themselves (the optimizer must wait for the ack)."""
 
-    def to_bytes(self) -> bytes:
-        """Serialized as a ``WeightManifest`` message (protobuf, never pickle)."""
-        message = weights_pb2.WeightManifest(
-            model_fingerprint=self.fingerprint, shards=self.shards, publisher_id=str(self.rank)
-        )
-        return message.SerializeToString()
+    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+        """Make the handles hold the shards' current values."""
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RankPublication:
-        message = weights_pb2.WeightManifest.FromString(data)
-        return cls(
-            rank=int(message.publisher_id),
-            fingerprint=message.model_fingerprint,
-            shards=list(message.shards),
-        )
+    def close(self) -> None: ...
 
 
 class ShmStaging:
-    """Packed shared-memory copy of a set of local shards (many tensors per segment)."""
+    """Packed shared-memory copy of a set of local shards (many tensors per segment); the
+    copy is contiguous whatever the source strides are."""
+
+    live = False
 
     def __init__(self, shards: Sequence[manifest.LocalShard], segment_bytes: int) -> None:
         self.segments: list[shm.SharedSegment] = []
@@ -120,6 +114,25 @@ class ShmStaging:
         self.views = []
 
 
+class CudaIpcExport:
+    """The live CUDA shards exported by CUDA IPC handles (no copy)."""
+
+    live = True
+
+    def __init__(self, shards: Sequence[manifest.LocalShard]) -> None:
+        self.handles = [
+            weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)) for s in shards
+        ]
+
+    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+        if any(shard.tensor.is_cuda for shard in shards):
+            # Kernels of the last optimizer step must be done before anyone reads.
+            torch.cuda.synchronize()
+
+    def close(self) -> None:
+        """Nothing to release: the handles name the parameters' own memory."""
+
+
 @dataclass
 class _StorageSnapshot:
     """The cheap per-publish storage check: the same parameter objects under the same names,
@@ -163,13 +176,12 @@ def _pointers(objects: Sequence[torch.Tensor], is_dtensor: Sequence[bool]) -> li
     ]
 
 
-class WeightPublisher:
+class WeightPublisher(Publisher):
     """Publishes one trainer rank's parameter shards; see the module docstring for the rules.
 
     ``params`` is the module whose ``named_parameters()`` are published (names in Hugging Face
     form, as FSDP2/TP leave them) or a callable returning a name -> tensor mapping.
-    ``fast_storage_check=False`` walks every parameter's storage on each publish (the previous
-    behaviour; kept for the benchmark's before/after).
+    ``assembler``: rank 0's, which :meth:`update` merges and signs with; other ranks have none.
     """
 
     def __init__(
@@ -179,7 +191,7 @@ class WeightPublisher:
         rank: int = 0,
         staging: StagingMode = "auto",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        fast_storage_check: bool = True,
+        assembler: ManifestAssembler | None = None,
     ) -> None:
         if isinstance(params, torch.nn.Module):
             module = params
@@ -193,10 +205,10 @@ class WeightPublisher:
         self.rank = rank
         self._staging_mode = staging
         self._segment_bytes = segment_bytes
-        self._staging: ShmStaging | None = None
+        self.assembler = assembler
+        self._storage: _Storage | None = None
         self._fingerprint: str | None = None
         self._storage_key: tuple | None = None
-        self._fast_storage_check = fast_storage_check
         self._storage_snapshot: _StorageSnapshot | None = None
         self._local: list[manifest.LocalShard] = []
         self._shards: list[weights_pb2.TensorShard] = []
@@ -204,11 +216,11 @@ class WeightPublisher:
         self._acked = threading.Condition()
         shm.reap_orphaned_segments()
 
-    # -- publishing --------------------------------------------------------------------------
+    # -- start: publish this rank's shards ----------------------------------------------------
 
     @property
     def pending_version(self) -> int | None:
-        """The version published and not yet acknowledged, if any."""
+        """The version published and not yet acknowledged (finished), if any."""
         with self._acked:
             return self._pending
 
@@ -222,17 +234,11 @@ class WeightPublisher:
             for name, param in self._params_fn().items()
         )
 
-    def prepare(
+    def start(
         self, version: int, *, ack_timeout: float = 0.0, check_finite: bool = True
     ) -> RankPublication:
-        """Make ``version`` readable and describe this rank's shards.
-
-        Waits up to ``ack_timeout`` seconds for the previous version's acknowledgement and
-        raises :class:`PublishError` if it does not come (republishing the pending version
-        itself is allowed, e.g. a full manifest for a new generator). Raises
-        :class:`PublishError` naming a parameter that holds NaN or infinity (``check_finite``;
-        a caller that checked every rank already passes False), with nothing marked pending.
-        """
+        """See :meth:`Publisher.start`: refreshes the staging copy (CPU) or waits for the last
+        optimizer step's kernels (GPU), then marks ``version`` pending."""
         if check_finite:
             bad = self.non_finite_parameter()
             if bad is not None:
@@ -246,8 +252,7 @@ class WeightPublisher:
                         f"overwrite published weights with version {version}"
                     )
         params = self._params_fn()
-        snapshot = self._storage_snapshot
-        if not (self._fast_storage_check and snapshot is not None and snapshot.matches(params)):
+        if not self._same_storage(params):
             key = manifest.storage_key(params)
             if key != self._storage_key:
                 # Storage changed (or first publish): describe the shards, new handles.
@@ -257,19 +262,17 @@ class WeightPublisher:
                 self._rebuild(local, manifest.storage_fingerprint(local), self._publish_live(local))
                 self._local, self._storage_key = local, key
             self._storage_snapshot = _StorageSnapshot.of(params)
-        local = self._local
-        live = self._staging is None
-        fingerprint = self._fingerprint
-        if live:
-            if any(shard.tensor.is_cuda for shard in local):
-                # Kernels of the last optimizer step must be done before anyone reads.
-                torch.cuda.synchronize()
-        else:
-            assert self._staging is not None
-            self._staging.refresh(local)
+        assert self._storage is not None and self._fingerprint is not None
+        self._storage.refresh(self._local)
         with self._acked:
             self._pending = version
-        return RankPublication(rank=self.rank, fingerprint=fingerprint, shards=self._shards)
+        return RankPublication(rank=self.rank, fingerprint=self._fingerprint, shards=self._shards)
+
+    def _same_storage(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """The cheap check that the parameters' storage is what the last publish described
+        (:class:`_StorageSnapshot`); False sends :meth:`start` through the full walk."""
+        snapshot = self._storage_snapshot
+        return snapshot is not None and snapshot.matches(params)
 
     def _publish_live(self, local: Sequence[manifest.LocalShard]) -> bool:
         """True: export the live parameters (CUDA IPC); False: a shared-memory staging copy."""
@@ -279,28 +282,34 @@ class WeightPublisher:
         return on_cuda if self._staging_mode == "auto" else self._staging_mode == "live"
 
     def _rebuild(self, local: Sequence[manifest.LocalShard], fingerprint: str, live: bool) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        if live:
-            storages = [
-                weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)) for s in local
-            ]
-        else:
-            # The staging copy is contiguous whatever the source strides are.
-            self._staging = ShmStaging(local, self._segment_bytes)
-            storages = self._staging.handles
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
+        storage: _Storage = CudaIpcExport(local) if live else ShmStaging(local, self._segment_bytes)
+        self._storage = storage
         self._shards = []
-        for shard, storage in zip(local, storages, strict=True):
-            message = shard.to_wire(storage, self.rank)
+        for shard, handle in zip(local, storage.handles, strict=True):
+            message = shard.to_wire(handle, self.rank)
             if not live:
                 message.stride[:] = list(codec.contiguous_strides(shard.tensor.shape))
             self._shards.append(message)
         self._fingerprint = fingerprint
 
-    # -- acknowledgement ---------------------------------------------------------------------
+    # -- update: rank 0 assembles the manifest ------------------------------------------------
 
-    def acknowledge(self, version: int) -> None:
+    def update(
+        self, version: int, parts: Sequence[RankPublication], *, force_full: bool = False
+    ) -> weights_pb2.WeightManifest:
+        """See :meth:`Publisher.update` (rank 0, which holds the assembler)."""
+        if self.assembler is None:
+            raise PublishError(
+                f"rank {self.rank}'s publisher has no assembler: only rank 0 assembles manifests"
+            )
+        return self.assembler.assemble(version, parts, force_full=force_full)
+
+    # -- finish: the acknowledgement -----------------------------------------------------------
+
+    def finish(self, version: int) -> None:
         """The generator(s) applied ``version`` (or a later one): storage may change again."""
         with self._acked:
             if self._pending is not None and version >= self._pending:
@@ -316,13 +325,14 @@ class WeightPublisher:
     @property
     def must_wait_before_step(self) -> bool:
         """True when the optimizer may not touch the parameters yet (live GPU publishing)."""
-        return self._staging is None and self.pending_version is not None
+        live = self._storage is not None and self._storage.live
+        return live and self.pending_version is not None
 
     def close(self) -> None:
         """Unlink this publisher's shared-memory segments (also done at interpreter exit)."""
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
         self._fingerprint = None
         self._storage_key = None
         self._storage_snapshot = None
@@ -366,16 +376,3 @@ class ManifestAssembler:
             self.key.sign(message)
         self._last_fingerprint = fingerprint
         return message
-
-
-def publish_single_process(
-    publisher: WeightPublisher,
-    assembler: ManifestAssembler,
-    version: int,
-    *,
-    force_full: bool = False,
-    ack_timeout: float = 0.0,
-) -> weights_pb2.WeightManifest:
-    """prepare + assemble for a trainer of one process (tests, bench, single-rank trainers)."""
-    part = publisher.prepare(version, ack_timeout=ack_timeout)
-    return assembler.assemble(version, [part], force_full=force_full)

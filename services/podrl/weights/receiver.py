@@ -1,5 +1,9 @@
 """Generator side: validate a manifest, open its handles once, and run the cached copy plan.
 
+:class:`WeightReceiver` is the :class:`~podrl.weights.lifecycle.Receiver` of ``podrl.weights``:
+``start`` validates the manifest, plans and opens, ``update`` copies, ``finish`` returns the
+filled tensors; ``apply`` runs the three.
+
 Two ways to consume (pick with ``destinations``):
 
 (a) in place: ``receiver.apply(manifest, destinations=dict(vllm_model.named_parameters()))``
@@ -10,9 +14,10 @@ Two ways to consume (pick with ``destinations``):
     dtype, held in buffers the receiver owns and reuses (valid until the next ``apply``), for
     vLLM's reload path (``model.load_weights``) on the CPU backend, which repacks linear weights.
 
-``apply`` validates everything and opens every handle before it copies anything, so a rejected
+``start`` validates everything and opens every handle before anything is copied, so a rejected
 manifest (:class:`~podrl.weights.errors.ManifestError`) leaves the receiver and the destinations
-as they were. When it returns, every copy has finished: the trainer's storage is no longer read.
+as they were. When ``update`` returns, every copy has finished: the trainer's storage is no
+longer read.
 
 The receiver checks what it needs to copy (the MAC when it holds the pod's weights key,
 publisher, names, shapes, dtypes, tiling, storage, and for a version-only manifest that it holds
@@ -28,8 +33,8 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +47,7 @@ from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layou
 from podrl.weights.errors import ManifestError, ManifestErrorKind
 from podrl.weights.finite import FiniteCheck
 from podrl.weights.keys import WeightsKey
+from podrl.weights.lifecycle import CopiedWeights, Receiver
 from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 
 Kind = ManifestErrorKind
@@ -51,20 +57,6 @@ MAX_SHARDS_PER_TENSOR = 256
 holding it, and a pod's trainer has at most a few dozen ranks. A manifest over the cap is
 refused (``LIMIT``) before its shards are looked at one by one; so is one with more than this
 many per parameter of the model in all."""
-
-
-@dataclass
-class CopiedWeights:
-    """Result of one ``apply``: iterate it for (name, tensor) pairs in the layout's naming."""
-
-    version: int
-    """The manifest's version (what the tensors now hold)."""
-    plan_cached: bool
-    seconds: float
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors)
 
 
 @dataclass
@@ -79,7 +71,19 @@ class _Cached:
     owns_destinations: bool
 
 
-class WeightReceiver:
+@dataclass
+class _Started:
+    """An update between :meth:`WeightReceiver.start` and its :meth:`~WeightReceiver.finish`."""
+
+    version: int
+    cached: _Cached
+    reused: bool
+    """The copy plan (and opened handles) of an earlier update serve this one."""
+    started: float
+    copied: bool = False
+
+
+class WeightReceiver(Receiver):
     """Applies manifests from one trainer to one model replica (one generator TP rank).
 
     Args:
@@ -131,6 +135,7 @@ class WeightReceiver:
         self.segment_owner_uid = segment_owner_uid
         self.check_finite = check_finite
         self._cached: _Cached | None = None
+        self._started: _Started | None = None
         shm.reap_orphaned_segments()
 
     @property
@@ -284,21 +289,19 @@ class WeightReceiver:
 
     # -- applying ----------------------------------------------------------------------------
 
-    def apply(
+    def start(
         self,
         manifest: weights_pb2.WeightManifest,
         destinations: Mapping[str, torch.Tensor] | None = None,
-        *,
-        before_copy: Callable[[], None] | None = None,
-    ) -> CopiedWeights:
-        """Validate, (re)plan if the storage changed, copy; returns the filled tensors.
+    ) -> None:
+        """Validate, (re)plan and open the handles if the storage changed, check finiteness.
 
         ``destinations`` (name -> tensor in the layout's naming) are copied into in place;
         without them the receiver fills buffers of its own (allocated once per fingerprint).
-        ``before_copy`` runs after every check passed and every handle is open, right before
-        the first byte is written (the generator marks its served weights as being touched).
+        Nothing is written here: a :class:`ManifestError` leaves everything as it was.
         """
         started = time.perf_counter()
+        self._started = None
         self.validate(manifest)
         cached = self._cached
         reuse = cached is not None and (
@@ -314,18 +317,35 @@ class WeightReceiver:
             cached = self._compile(manifest, destinations)
         if self.check_finite:
             _require_finite(cached.finite)
-        if before_copy is not None:
-            before_copy()
+        self._started = _Started(manifest.version, cached, reuse, started)
+
+    def update(self) -> None:
+        """Run the copy plan into the destinations; returns when every copy has finished."""
+        started = self._require_started("update")
         # Cached before the copy: a copy that fails half-way leaves the plan valid (the next
-        # apply of this storage rewrites every destination).
-        self._cached = cached
-        cached.plan.run()
+        # update of this storage rewrites every destination).
+        self._cached = started.cached
+        started.cached.plan.run()
+        started.copied = True
+
+    def finish(self) -> CopiedWeights:
+        """The filled tensors of the update that :meth:`update` copied."""
+        started = self._require_started("finish")
+        if not started.copied:
+            raise RuntimeError("WeightReceiver.finish before update: nothing was copied")
+        self._started = None
+        cached = started.cached
         return CopiedWeights(
-            version=manifest.version,
-            plan_cached=reuse,
-            seconds=time.perf_counter() - started,
+            version=started.version,
+            plan_cached=started.reused,
+            seconds=time.perf_counter() - started.started,
             tensors=[(name, cached.destinations[name]) for name in self.layout],
         )
+
+    def _require_started(self, phase: str) -> _Started:
+        if self._started is None:
+            raise RuntimeError(f"WeightReceiver.{phase} without a started manifest (start)")
+        return self._started
 
     def _compile(
         self,
@@ -369,6 +389,7 @@ class WeightReceiver:
     def close(self) -> None:
         """Drop mapped handles and buffers; unlink segments of trainers that are gone."""
         self._cached = None
+        self._started = None
         shm.reap_orphaned_segments()
 
 
