@@ -27,7 +27,7 @@ import torch
 
 from podrl.config import RunConfig, load_config
 from podrl.trainer.batch import BatchError
-from podrl.trainer.command_table import register_builtin_commands
+from podrl.trainer.command_table import register_builtin_commands, register_commands
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
@@ -62,7 +62,13 @@ def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
     engine = TrainerEngine(config)
     loop = CommandLoop()
     register_builtin_commands(loop, engine)
-    sync = register_weight_commands(loop, engine, rank=0, publisher_id=config.worker_id)
+    sync = register_weight_commands(
+        loop,
+        engine,
+        rank=0,
+        publisher_id=config.worker_id,
+        ack_timeout=config.trainer.weights_ack_timeout_seconds,
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(config, engine, loop), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -213,3 +219,28 @@ def test_a_step_aborted_on_some_ranks_and_non_finite_on_others_is_aborted() -> N
     assert error_kind(NonFiniteStepError("x")) == trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP
     assert error_kind(PublishError("x")) == trainer_pb2.RANK_ERROR_KIND_NOT_NOW
     assert error_kind(ValueError("x")) == trainer_pb2.RANK_ERROR_KIND_INTERNAL
+
+
+def test_the_optimizer_waits_for_an_acknowledgement_as_long_as_the_config_says(
+    tiny_model, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The live GPU case on CPU: a publisher whose version is pending and whose acknowledgement
+    # never comes; the step's pre-hook waits trainer.weights_ack_timeout_seconds, then fails.
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    env = config_env(str(tiny_model), str(tmp_path), weights_ack_timeout_seconds=2.5)
+    engine = TrainerEngine(load_config(None, env))
+    sync = register_commands(CommandLoop(), engine)
+    waits: list[float | None] = []
+
+    class Unacknowledged:
+        pending_version = 7
+        must_wait_before_step = True
+
+        def wait_for_acknowledgement(self, timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            return False
+
+    monkeypatch.setattr(sync, "publisher", Unacknowledged())
+    with pytest.raises(TimeoutError, match=r"version 7 .* not acknowledged within 2 s"):
+        engine.optimizer.step()
+    assert waits == [2.5]

@@ -123,6 +123,14 @@ class TrainerConfig(ServiceSection):
         description="Timeout of one collective (a rank that does not answer "
         "within it fails the step).",
     )
+    weights_ack_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="GPU trainers publish their live parameters: how long an optimizer step "
+        "waits for the acknowledgement of the version published last before it fails rather "
+        "than overwrite weights a generator may be reading. The gRPC service refuses such a "
+        "Train up front (FAILED_PRECONDITION); this wait guards a step driven directly.",
+    )
 
     # Optimizer (AdamW) and schedule.
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")

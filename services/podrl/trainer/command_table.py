@@ -12,7 +12,7 @@ from pathlib import Path
 
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.rank_command_loop import CommandLoop
-from podrl.trainer.weight_publishing import register_weight_commands
+from podrl.trainer.weight_publishing import TrainerWeightSync, register_weight_commands
 from podrl.v1 import trainer_pb2
 
 TRAIN = "train"
@@ -59,10 +59,15 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
     loop.register(PARAMETERS_DIGEST, digest)
 
 
-def register_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
-    """Every command of the trainer, registered identically on every rank."""
+def register_commands(loop: CommandLoop, engine: TrainerEngine) -> TrainerWeightSync:
+    """Every command of the trainer, registered identically on every rank; returns this rank's
+    weight publishing (its Train gate and optimizer hook are installed)."""
     register_builtin_commands(loop, engine)
     # Weight publishing: every rank publishes its own shards.
-    register_weight_commands(
-        loop, engine, rank=engine.env.rank, publisher_id=engine.config.worker_id
+    return register_weight_commands(
+        loop,
+        engine,
+        rank=engine.env.rank,
+        publisher_id=engine.config.worker_id,
+        ack_timeout=engine.settings.weights_ack_timeout_seconds,
     )

@@ -8,8 +8,8 @@ finishes the published version on every rank (``finish``).
 
 On GPUs the FSDP2 parameters are published in place, so a Train is refused up front
 (FAILED_PRECONDITION) while a published version is unacknowledged, and an optimizer pre-step
-hook guards the parameters as a last line (``ack_timeout`` seconds, then the step fails rather
-than overwrite weights a generator may be reading). On CPUs the staging
+hook guards the parameters as a last line (``trainer.weights_ack_timeout_seconds``, then the step
+fails rather than overwrite weights a generator may be reading). On CPUs the staging
 copy makes the step safe; only the next publish waits for the acknowledgement.
 
 The trainer's servicer checks the gate under the lock that PublishWeights and
@@ -42,7 +42,6 @@ from podrl.weights.publisher import ManifestAssembler, WeightPublisher, non_fini
 
 PUBLISH_WEIGHTS = "publish_weights"
 ACKNOWLEDGE_WEIGHTS = "acknowledge_weights"
-DEFAULT_ACK_TIMEOUT_SECONDS = 600.0
 
 
 class _Loop(Protocol):
@@ -56,15 +55,12 @@ class _Engine(Protocol):
 
 
 class TrainerWeightSync:
-    """This rank's :class:`~podrl.weights.Publisher` (rank 0's also assembles the manifest)."""
+    """This rank's :class:`~podrl.weights.Publisher` (rank 0's also assembles the manifest);
+    ``ack_timeout``: how long an optimizer step waits for the acknowledgement of a version
+    published from the live GPU parameters (``trainer.weights_ack_timeout_seconds``)."""
 
     def __init__(
-        self,
-        engine: _Engine,
-        *,
-        rank: int,
-        publisher_id: str,
-        ack_timeout: float = DEFAULT_ACK_TIMEOUT_SECONDS,
+        self, engine: _Engine, *, rank: int, publisher_id: str, ack_timeout: float
     ) -> None:
         self.engine = engine
         self.rank = rank
@@ -144,10 +140,10 @@ class TrainerWeightSync:
 
 
 def register_weight_commands(
-    loop: _Loop, engine: _Engine, *, rank: int, publisher_id: str
+    loop: _Loop, engine: _Engine, *, rank: int, publisher_id: str, ack_timeout: float
 ) -> TrainerWeightSync:
     """Register PUBLISH/ACK on this rank's command loop (every rank, same order)."""
-    sync = TrainerWeightSync(engine, rank=rank, publisher_id=publisher_id)
+    sync = TrainerWeightSync(engine, rank=rank, publisher_id=publisher_id, ack_timeout=ack_timeout)
     loop.register(PUBLISH_WEIGHTS, sync.publish)
     loop.register(ACKNOWLEDGE_WEIGHTS, sync.acknowledge)
     return sync
