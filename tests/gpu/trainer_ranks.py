@@ -57,7 +57,12 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     events: dict[str, list[float]] = {"hook_entered": [], "hook_released": []}
     # Registered before and after the weight sync's own pre-step hook: brackets its wait.
     engine.optimizer.register_step_pre_hook(lambda *_: events["hook_entered"].append(time.time()))
-    sync = TrainerWeightSync(engine, rank=rank, publisher_id=config.worker_id)
+    sync = TrainerWeightSync(
+        engine,
+        rank=rank,
+        publisher_id=config.worker_id,
+        ack_timeout=config.trainer.weights_ack_timeout_seconds,
+    )
     engine.optimizer.register_step_pre_hook(lambda *_: events["hook_released"].append(time.time()))
     forward_dtypes: list[str] = []
     q_proj = engine.model.model.layers[0].self_attn.q_proj
