@@ -15,11 +15,13 @@ What each container gets, and how it is emulated here:
   made read-only (chmod) once its mounts are in place, so a write anywhere but a writable
   mount fails, as under ``readOnlyRootFilesystem``. Each volume mount is a symlink in that
   root to the volume's folder; read-only mounts, and configMap and secret volumes (the
-  kubelet always mounts those read-only), are made read-only too. Every absolute path in the
-  container's args, env values and configMap files is prefixed with its root, since there is
-  no mount namespace to put the folders at the manifest's paths; the working directory (the
-  image's WORKDIR) and the default HOME lie in the read-only root. ``/dev/shm`` mounts are the
-  machine's ``/dev/shm`` (POSIX shared memory has no other place).
+  kubelet always mounts those read-only), are made read-only too. The files of configMap and
+  secret volumes are laid out as the kubelet's atomic writer does (each name a symlink to
+  ``..data/<name>``, with the volume's ``defaultMode``): :func:`write_volume_files`. Every
+  absolute path in the container's args, env values and configMap files is prefixed with its
+  root, since there is no mount namespace to put the folders at the manifest's paths; the
+  working directory (the image's WORKDIR) and the default HOME lie in the read-only root.
+  ``/dev/shm`` mounts are the machine's ``/dev/shm`` (POSIX shared memory has no other place).
 - **Its privileges.** Run by root (as here), the processes get an empty capability bounding
   set and no_new_privs, as with ``capabilities: {drop: [ALL]}`` and
   ``allowPrivilegeEscalation: false``, so the read-only folders bind root as well.
@@ -229,6 +231,23 @@ def make_writable(path: Path) -> None:
         dirs[:] = [d for d in dirs if not (Path(folder) / d).is_symlink()]
 
 
+def write_volume_files(folder: Path, files: Mapping[str, bytes], mode: int) -> None:
+    """Lay ``files`` out in ``folder`` as the kubelet's atomic writer does for configMap,
+    secret and projected volumes: the files in a hidden version folder ``..<timestamp>``,
+    ``..data`` a symlink to it, and each top-level name a symlink ``<name> -> ..data/<name>``
+    (a service that checks its secret file sees what it sees in a cluster)."""
+    version = folder / f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.{os.getpid()}"
+    version.mkdir(parents=True)
+    for relative, content in files.items():
+        target = version / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+        target.chmod(mode)
+    (folder / "..data").symlink_to(version.name)
+    for name in sorted({Path(relative).parts[0] for relative in files}):
+        (folder / name).symlink_to(f"..data/{name}")
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -387,17 +406,13 @@ class LocalPod:
         files = self._projected_files(volume)
         if files is not None:  # per container: its paths are rewritten under its root
             folder = self.base / "containers" / container.name / "projected" / mount["name"]
-            folder.mkdir(parents=True, exist_ok=True)
             source = volume.get("configMap") or volume.get("secret") or {}
-            mode = source.get("defaultMode", 0o644)
-            for relative, content in files.items():
-                target = folder / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if "configMap" in volume:
-                    text = self._rewrite_config_text(content.decode(), container.root)
-                    content = text.encode()
-                target.write_bytes(content)
-                target.chmod(mode)
+            if "configMap" in volume:
+                files = {
+                    relative: self._rewrite_config_text(content.decode(), container.root).encode()
+                    for relative, content in files.items()
+                }
+            write_volume_files(folder, files, source.get("defaultMode", 0o644))
             return folder
         source = self._volume_dir(mount["name"])
         if mount.get("subPath"):
