@@ -293,6 +293,7 @@ def test_a_worker_registers_heartbeats_and_drains_only_as_itself(stack: Stack) -
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
     value = secrets.token_hex(32)
     (tmp_path / "secret").write_text(f"  {value}\n")  # surrounding whitespace is not part of it
+    (tmp_path / "secret").chmod(0o600)  # what podrl up writes (other modes: test_run_secret_file)
     from_file = load_run_secret(AuthConfig(), {"PODRL_RUN_SECRET_FILE": str(tmp_path / "secret")})
     from_env = load_run_secret(AuthConfig(), {"PODRL_RUN_SECRET": value})
     assert from_file is not None and from_env is not None

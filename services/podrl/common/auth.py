@@ -36,6 +36,7 @@ import hmac
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,87 @@ def _checked_secret(text: str, source: str) -> RunSecret:
     return RunSecret(value.encode(), source)
 
 
+#: A secret file holds the secret and a newline; anything much larger is not one.
+_MAX_SECRET_FILE_BYTES = 4096
+#: Kubernetes' secret volumes (and projected ones) present each key as a symlink into the
+#: volume's current version: ``<key> -> ..data/<key>``, ``..data -> ..<timestamp>``.
+_VOLUME_DATA = "..data"
+
+
+def _secret_volume_file(link: Path) -> Path | None:
+    """The file a Kubernetes secret volume's symlink ``link`` stands for, when ``link`` is
+    exactly that layout and stays inside its own folder; else None."""
+    if os.readlink(link) != f"{_VOLUME_DATA}/{link.name}":
+        return None
+    try:
+        version = os.readlink(link.parent / _VOLUME_DATA)
+        if "/" in version or not version.startswith("..") or version in ("..", _VOLUME_DATA):
+            return None
+        if not stat.S_ISDIR(os.lstat(link.parent / version).st_mode):
+            return None
+    except OSError:  # no ..data link, or it names nothing
+        return None
+    return link.parent / version / link.name
+
+
+def read_secret_file(path: Path) -> str:
+    """The text of the run secret file ``path``, held to the weights key file's rules: a
+    regular file, not a symlink, that grants nothing to group or others (``podrl up`` writes
+    it 0600). One layout is accepted besides: a Kubernetes secret volume, whose key is a
+    symlink to ``..data/<key>`` in the same folder and whose file may be read by its group (the
+    pod's fsGroup; the chart mounts it 0440). Raises ConfigError naming the variable and the
+    fix otherwise: a secret that others can read, or a link to another file (``/etc/passwd``),
+    would authenticate whoever else can read it."""
+    where = f"{SECRET_FILE_ENV}={path}"
+    try:
+        in_volume = False
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            real = _secret_volume_file(path)
+            if real is None:
+                raise ConfigError(
+                    f"{where}: is a symlink (to {os.readlink(path)}); symlinks are not followed. "
+                    "Point it at the secret file itself, a regular file with mode 0600 (a "
+                    "Kubernetes secret volume's own links are accepted: docs/security.md)"
+                )
+            path, in_volume = real, True
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            text = os.read(fd, _MAX_SECRET_FILE_BYTES + 1) if stat.S_ISREG(info.st_mode) else b""
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise ConfigError(
+            f"{where}: cannot read the run secret ({err.strerror or err}); point it at a "
+            "readable file"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{where}: cannot read the run secret: it is not a regular file")
+    allowed = 0o040 if in_volume else 0  # a secret volume's group is the pod's fsGroup
+    if stat.S_IMODE(info.st_mode) & 0o077 & ~allowed:
+        rule = (
+            "nothing to others and only read to its group (the volume's defaultMode: 0440)"
+            if in_volume
+            else "nothing to group or others (chmod 600)"
+        )
+        raise ConfigError(
+            f"{where}: has mode {stat.S_IMODE(info.st_mode):o}; the run secret file must grant "
+            f"{rule}"
+        )
+    if len(text) > _MAX_SECRET_FILE_BYTES:
+        raise ConfigError(
+            f"{where}: is larger than {_MAX_SECRET_FILE_BYTES} bytes; it must hold the run "
+            "secret only (e.g. `openssl rand -hex 32`)"
+        )
+    try:
+        return text.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{where}: cannot read the run secret (not UTF-8 text); write it as text, e.g. "
+            "`openssl rand -hex 32`"
+        ) from None
+
+
 def load_run_secret(config: AuthConfig, env: Mapping[str, str] | None = None) -> RunSecret | None:
     """The run secret from ``PODRL_RUN_SECRET_FILE`` or ``PODRL_RUN_SECRET``; None when
     ``auth.disabled``. Raises ConfigError naming the variable when it is missing, unreadable,
@@ -181,14 +263,7 @@ def load_run_secret(config: AuthConfig, env: Mapping[str, str] | None = None) ->
             f"{SECRET_FILE_ENV} and {SECRET_VALUE_ENV} are both set; set only one of them"
         )
     if path:
-        try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(
-                f"{SECRET_FILE_ENV}={path}: cannot read the run secret "
-                f"({getattr(err, 'strerror', None) or err}); point it at a readable file"
-            ) from None
-        return _checked_secret(text, f"{SECRET_FILE_ENV}={path}")
+        return _checked_secret(read_secret_file(Path(path)), f"{SECRET_FILE_ENV}={path}")
     if value is not None:
         return _checked_secret(value, SECRET_VALUE_ENV)
     raise ConfigError(
