@@ -147,8 +147,8 @@ def _json_safe(value: Any) -> Any:
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for a request that does not validate, encodable whatever the input held
-    (its own handler raises on a NaN in the echoed input: the connection was cut and a
-    traceback logged instead of a 422)."""
+    (its own handler raises on a NaN in the echoed input: a 500 and a traceback instead of a
+    422)."""
     assert isinstance(exc, RequestValidationError)
     return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
