@@ -18,9 +18,9 @@ def channel_options(config: GrpcConfig) -> list[tuple[str, int]]:
         # Ping between calls too: a peer that went away while idle is found before the next
         # call waits on it.
         ("grpc.keepalive_permit_without_calls", 1),
-        # No cap on pings while no data moves: gRPC's default (2) slows keepalive to one ping a
-        # minute during a long silent call (a Train, a SaveCheckpoint), so a dead peer would be
-        # found that much later than keepalive_seconds says.
+        # No cap on pings while no data moves: gRPC's default (2) holds keepalive back after
+        # two pings of a long silent call (a Train, a SaveCheckpoint), so a dead peer would be
+        # found later than keepalive_seconds says.
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
