@@ -67,6 +67,22 @@ def test_a_long_call_ends_by_its_own_result_not_by_too_many_pings() -> None:
     assert default.get("error", (None,))[0] == grpc.StatusCode.UNAVAILABLE, default
 
 
+def test_a_client_pinging_faster_than_the_policy_is_still_cut() -> None:
+    """The policy still guards the server: a server configured for a ping every 4 s accepts
+    one every 2 s; a client pinging every second is cut at its third early ping."""
+    server, address = _serve(server_options(GrpcConfig(keepalive_seconds=4.0)))
+    try:
+        with open_channel(address, CONFIG, None) as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary(METHOD)(b"x", timeout=CALL_SECONDS * 4)
+    finally:
+        server.stop(0)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "ping" in (err.value.details() or "").lower()
+    assert time.monotonic() - started < CALL_SECONDS
+
+
 @pytest.mark.parametrize("seconds", [0.5, 7201.0])
 def test_the_keepalive_interval_is_bounded(seconds: float) -> None:
     with pytest.raises(ValueError, match="keepalive_seconds"):

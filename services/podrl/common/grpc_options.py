@@ -28,11 +28,12 @@ def channel_options(config: GrpcConfig) -> list[tuple[str, int]]:
 def server_options(config: GrpcConfig) -> list[tuple[str, int]]:
     """Channel options, a ping policy that accepts the clients' keepalive, and no SO_REUSEPORT.
 
-    gRPC's default server policy accepts a ping without data only every 5 minutes and, after
-    two early ones, ends the connection (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"): every call
+    gRPC's default server policy accepts a ping without data only every 5 minutes and, at the
+    third early one, ends the connection (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"): every call
     on it fails with UNAVAILABLE, so a Train longer than a few minutes was cut and sent again.
     Here a ping is early only below half the clients' interval (timers are not exact, and a
-    silent call never forgives a strike); a peer pinging faster is still cut after two.
+    silent call never forgives a strike); a peer pinging faster is still cut at its third early
+    ping.
 
     gRPC sets SO_REUSEPORT by default, and then a second server on a port already served by
     another gRPC server binds it too and silently gets a share of its calls; without it the
