@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
+from podrl.common.auth import AuthClientInterceptor, CallerCredentials
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.trainer.rank_worker import config_env, free_port
 
@@ -55,11 +57,15 @@ def _wait_for_text(path: Path, text: str, process: subprocess.Popen[bytes], time
 class Lighthouse:
     process: subprocess.Popen[bytes]
     address: str
+    """The front's host:port: what the trainers are given."""
+    server_address: str
+    """The torchft Lighthouse's own host:port, on loopback."""
     log_path: Path
 
     def status(self) -> str:
-        """The Lighthouse's status page (quorum, heartbeating replica ids)."""
-        return httpx.get(f"http://{self.address}/status", timeout=10).text
+        """The torchft Lighthouse's status page (quorum, heartbeating replica ids), read where
+        it listens: on loopback, behind the front."""
+        return httpx.get(f"http://{self.server_address}/status", timeout=10).text
 
     def stop(self) -> int:
         """SIGTERM; the exit code (killed after 10 s: -9)."""
@@ -73,11 +79,17 @@ class Lighthouse:
         return self.process.returncode
 
 
-def start_lighthouse(tmp: Path) -> Lighthouse:
-    """``python -m podrl.trainer.lighthouse`` on a free loopback port, once it listens."""
+def start_lighthouse(tmp: Path, *, auth: bool = False) -> Lighthouse:
+    """``python -m podrl.trainer.lighthouse`` on a free loopback port, once it listens; with
+    ``auth`` it checks the replica ids with the run secret the tests share."""
     port = free_port()
     log_path = tmp / "lighthouse.log"
-    env = {**os.environ, **LIGHTHOUSE_ENV, **no_auth_env(), "PODRL_RUN_DIR": str(tmp)}
+    env = {
+        **os.environ,
+        **LIGHTHOUSE_ENV,
+        **({} if auth else no_auth_env()),
+        "PODRL_RUN_DIR": str(tmp),
+    }
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "podrl.trainer.lighthouse", "--bind", f"127.0.0.1:{port}"],
@@ -86,7 +98,9 @@ def start_lighthouse(tmp: Path) -> Lighthouse:
             stderr=subprocess.STDOUT,
         )
     _wait_for_text(log_path, "lighthouse listening on", process, 60)
-    return Lighthouse(process, f"127.0.0.1:{port}", log_path)
+    server = re.search(r"the torchft Lighthouse on (\S+),", log_path.read_text())
+    assert server, log_path.read_text()
+    return Lighthouse(process, f"127.0.0.1:{port}", server.group(1), log_path)
 
 
 @dataclass(eq=False)  # hashable by identity: tests key requests by pod
@@ -130,11 +144,13 @@ def start_pods(
     extra_env: dict[str, dict[str, str]] | None = None,
     timeout: float = 240,
     dp_shard: int = 1,
+    credentials: CallerCredentials | None = None,
     **trainer: object,
 ) -> dict[str, Pod]:
     """Start one trainer service per name (its worker id), all at once, each of ``dp_shard``
     FSDP2 gloo ranks; return them SERVING. ``lighthouse`` None = no cross-pod replication
-    (today's single-pod trainer)."""
+    (today's single-pod trainer). With ``credentials`` (the controller's) the trainers check
+    callers with the run secret the tests share, and the pods' channels carry them."""
     started: dict[str, Pod] = {}
     for name in names:
         port = free_port()
@@ -148,7 +164,7 @@ def start_pods(
             "PODRL_TRAINER__METRICS_PORT": "0",
             "PODRL_CONTROLLER__GRPC_PORT": str(free_port()),  # no controller: registration retries
             "OMP_NUM_THREADS": "1",
-            **no_auth_env(),
+            **({} if credentials else no_auth_env()),
             **REPLICA_ENV,
             **((extra_env or {}).get(name, {})),
         }
@@ -163,6 +179,8 @@ def start_pods(
                 stderr=subprocess.STDOUT,
             )
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        if credentials is not None:
+            channel = grpc.intercept_channel(channel, AuthClientInterceptor(credentials))
         started[name] = Pod(
             name, process, port, log_path, channel, trainer_pb2_grpc.TrainerStub(channel)
         )
@@ -191,15 +209,21 @@ def start_pods(
 
 
 def share(
-    batch: trainer_pb2.TrainRequest, indices: Sequence[int], batch_id: str, pods: int
+    batch: trainer_pb2.TrainRequest,
+    indices: Sequence[int],
+    batch_id: str,
+    pods: int,
+    pod_ids: Sequence[str] = (),
 ) -> trainer_pb2.TrainRequest:
-    """The pod's share of ``batch``: the sequences at ``indices``, with the batch-wide totals."""
+    """The pod's share of ``batch``: the sequences at ``indices``, with the batch-wide totals
+    (and the step's pods by worker id when given)."""
     out = trainer_pb2.TrainRequest(
         policy_version=batch.policy_version,
         batch_id=batch_id,
         global_sequences=len(batch.sequences),
         global_completion_tokens=sum(len(s.completion_ids) for s in batch.sequences),
         pods=pods,
+        pod_ids=pod_ids,
     )
     out.sequences.extend(batch.sequences[i] for i in indices)
     return out

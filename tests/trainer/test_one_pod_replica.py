@@ -9,7 +9,6 @@ import os
 import pytest
 from torchft.process_group import ProcessGroupGloo
 
-from podrl.common.processes import free_port
 from podrl.config import load_config
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.lighthouse import start_lighthouse
@@ -34,12 +33,12 @@ def test_a_pod_alone_in_its_quorum_trains_as_one_without_a_lighthouse(
 ):
     alone, alone_digest = _train(config_env(str(tiny_model), str(tmp_path / "alone")), 3)
 
-    port = free_port()
+    # The torchft Lighthouse itself, without podrl-lighthouse's front: this is about training.
+    lighthouse, address = start_lighthouse(load_config(None, os.environ).trainer.replication)
     env = {
         **config_env(str(tiny_model), str(tmp_path / "replica")),
-        "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": f"127.0.0.1:{port}",
+        "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS": address,
     }
-    lighthouse = start_lighthouse(load_config(None, env).trainer.replication, f"127.0.0.1:{port}")
     cross_pod_calls: list[str] = []
     real_allreduce = ProcessGroupGloo.allreduce
 

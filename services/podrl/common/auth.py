@@ -94,6 +94,9 @@ _CALLER_MAC_PURPOSE = "podrl rpc caller v1"
 #: Another purpose, another key: a REST token (it may sit in a shell's history or a proxy's
 #: log) must not also sign gRPC calls, and the gRPC metadata must not open the REST API.
 _REST_TOKEN_PURPOSE = "podrl rest bearer v1"
+#: The MAC in a trainer's torchft replica id (podrl.trainer.lighthouse_front): never a call's
+#: credential, since a replica id is sent to the Lighthouse and handed to every peer pod.
+_REPLICA_PURPOSE = "podrl lighthouse replica v1"
 
 
 def worker_id_problem(worker_id: str) -> str | None:
@@ -151,6 +154,13 @@ class RunSecret:
         if role not in REST_ROLES:  # a MAC made with the secret cannot name another role
             return f"unknown role {role!r}"
         return Caller(role, worker_id)
+
+    def replica_mac(self, pod: str, manager_address: str, store_address: str) -> str:
+        """The MAC a pod's torchft replica id carries: over the pod and the two addresses the
+        Lighthouse hands its peers (its manager server, its TCPStore), so that a copied replica
+        id names no other address than the pod's own."""
+        message = f"{pod}\0{manager_address}\0{store_address}".encode()
+        return hmac.new(self.key(_REPLICA_PURPOSE), message, hashlib.sha256).hexdigest()
 
     def _claim_mac(self, purpose: str, role: str, worker_id: str) -> str:
         message = f"{role}\0{worker_id}".encode()

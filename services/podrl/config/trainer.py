@@ -9,6 +9,9 @@ from pydantic import Field, field_validator, model_validator
 
 from podrl.config.base import Section, ServiceSection
 
+#: Hosts of the loopback interface (trainer.replication.lighthouse_server_bind).
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
 
 class ReplicationConfig(Section):
     """Data parallelism across worker pods (docs/scaling.md, "Trainers across pods"): every
@@ -22,7 +25,15 @@ class ReplicationConfig(Section):
     )
     lighthouse_bind: str = Field(
         "[::]:29510",
-        description="Where podrl-lighthouse listens (host:port; [::] = every interface).",
+        description="Where podrl-lighthouse listens for the trainers (host:port; [::] = every "
+        "interface): its front, which forwards only the trainers' Quorum and Heartbeat calls, "
+        "with replica ids that carry the run secret's MAC, to the torchft Lighthouse.",
+    )
+    lighthouse_server_bind: str = Field(
+        "127.0.0.1:0",
+        description="Where podrl-lighthouse runs the torchft Lighthouse itself (host:port on "
+        "loopback; port 0 = a free one): it authenticates nobody and serves a status page "
+        "and a kill endpoint, so only its front may reach it.",
     )
     quorum_timeout_seconds: float = Field(
         120.0,
@@ -72,6 +83,18 @@ class ReplicationConfig(Section):
         description="Port of this pod's TCPStore, where peers rendezvous for the cross-pod "
         "process group; 0 = a free port.",
     )
+
+    @field_validator("lighthouse_server_bind")
+    @classmethod
+    def _loopback_server(cls, value: str) -> str:
+        host, _, port = value.rpartition(":")
+        if host.strip("[]") not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
+            raise ValueError(
+                f"{value!r}: the torchft Lighthouse authenticates nobody, so it listens on "
+                "loopback only; set host:port with host 127.0.0.1, ::1 or localhost (port 0 = a "
+                "free one), and trainer.replication.lighthouse_bind for the trainers' address"
+            )
+        return value
 
     @property
     def enabled(self) -> bool:

@@ -16,6 +16,7 @@ Pure: no RPC, no clock. The rules (docs/controller.md, "Score errors"):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,13 +190,16 @@ def train_request(
     policy_version: int,
     batch_id: str,
     pods: int = 1,
+    pod_ids: Sequence[str] = (),
 ) -> trainer_pb2.TrainRequest:
     """One pod's Train call of a step: its ``share`` of ``batch`` with the batch-wide totals, so
     that the loss is normalised over the whole batch and the update of P pods equals the
-    1-pod update, and the number of pods that train the step (the trainers check that their
-    quorum holds exactly that many). Re-sent unchanged when its outcome is unknown."""
+    1-pod update, and the number of pods that train the step and their worker ids (the
+    trainers check that their quorum holds exactly those pods). Re-sent unchanged when its
+    outcome is unknown."""
     return trainer_pb2.TrainRequest(
         pods=pods,
+        pod_ids=pod_ids,
         sequences=share,
         policy_version=policy_version,
         batch_id=batch_id,

@@ -212,6 +212,7 @@ class GrpoLoop:
                     expected,
                     f"{batch_id}.{round_no}@{pod_id}",
                     pods=len(pod_ids),
+                    pod_ids=pod_ids,
                 )
                 for pod_id in pod_ids
             }

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from podrl.algorithms.losses import LossSettings, policy_loss
 from podrl.common import faults
+from podrl.common.auth import load_run_secret
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, export
 from podrl.trainer.batch import (
@@ -386,6 +387,8 @@ class TrainerEngine:
                 advertise_host=self.settings.advertise_host,
                 pod_group=self._agreement_group,
                 metric_count=len(_SUMS),
+                # The replica id carries its MAC (the Lighthouse's front checks it).
+                secret=load_run_secret(self.config.auth),
             )
         try:
             self.replica.begin(

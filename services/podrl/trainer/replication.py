@@ -50,9 +50,12 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only, t
 
 from podrl.algorithms.losses import BatchTotals
 from podrl.common import faults
+from podrl.common.auth import RunSecret
+from podrl.common.processes import free_ports
 from podrl.config import ConfigError
 from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError, BatchLimits, batch_totals, validate_train_request
+from podrl.trainer.lighthouse_front import replica_pod, signed_replica_id
 from podrl.v1 import trainer_pb2
 
 if TYPE_CHECKING:
@@ -70,6 +73,10 @@ class ReplicaStepError(RuntimeError):
     """This step cannot be trained across the pods (a peer failed or refused, the quorum
     never held the step's pods, a cross-pod operation failed); nothing was stepped on this
     pod (the engine raises it as StepAbortedError → ABORTED)."""
+
+
+class UnadmittedReplicaError(ReplicaStepError):
+    """The quorum holds a replica of a pod that this step's request does not name."""
 
 
 class ReplicaStateError(RuntimeError):
@@ -232,6 +239,7 @@ class CrossPodReplica:
         advertise_host: str,
         pod_group: dist.ProcessGroup | None,
         metric_count: int,
+        secret: RunSecret | None = None,
     ) -> None:
         from torchft.manager import Manager
 
@@ -243,7 +251,13 @@ class CrossPodReplica:
         timeout = timedelta(seconds=settings.collective_timeout_seconds)
         self._timeout = timeout
         self._store = None
-        store_port = self._start_store(advertise_host)
+        store_port, manager_port = self._start_store(advertise_host)
+        # The Lighthouse's front admits a replica id only with the run secret's MAC over the
+        # pod and the addresses torchft sends with it (podrl.trainer.lighthouse_front).
+        torchft_id = signed_replica_id(
+            secret, replica_id, f"http://{advertise_host}:{manager_port}",
+            f"{advertise_host}:{store_port}",
+        )  # fmt: skip
         self.manager = Manager(
             pg=_process_group(cross_pod_backend(settings.backend, engine.device), timeout),
             load_state_dict=self._load_state,
@@ -262,11 +276,15 @@ class CrossPodReplica:
             store_addr=advertise_host,
             store_port=store_port,
             lighthouse_addr=_lighthouse_url(settings.lighthouse_address),
-            replica_id=replica_id,
-            port=settings.manager_port,
+            replica_id=torchft_id,
+            port=manager_port,
             hostname=advertise_host,
             checkpoint_transport=_checkpoint_transport(advertise_host, timeout),
         )
+        # Every quorum is checked before torchft heals from a peer or builds a process group.
+        self.manager._client = _AdmittingClient(self.manager._client, self._check_participants)
+        # This step's pods (TrainRequest.pod_ids; empty: not checked).
+        self._step_pods: frozenset[str] = frozenset()
         # Per step: did this pod's quorum form, did it take part in the gradient vote.
         self._in_quorum = False
         self._voted = False
@@ -280,10 +298,11 @@ class CrossPodReplica:
             store_port,
         )
 
-    def _start_store(self, advertise_host: str) -> int:
+    def _start_store(self, advertise_host: str) -> tuple[int, int]:
         """The TCPStore where pods rendezvous for the cross-pod process group: served by rank 0
-        on every interface, its port told to the pod's other ranks."""
-        port = torch.zeros(1, dtype=torch.int64)
+        on every interface; its port and that of rank 0's torchft manager server (chosen here:
+        the replica id's MAC covers the manager's address) told to the pod's other ranks."""
+        ports = torch.zeros(2, dtype=torch.int64)
         if self.engine.env.rank == 0:
             self._store = dist.TCPStore(
                 host_name=advertise_host,
@@ -291,10 +310,24 @@ class CrossPodReplica:
                 is_master=True,
                 wait_for_workers=False,
             )
-            port[0] = self._store.port
+            ports[0] = self._store.port
+            ports[1] = self.settings.manager_port or free_ports(1, "0.0.0.0")[0]
         if self._pod_group is not None:
-            dist.broadcast(port, src=0, group=self._pod_group)
-        return int(port.item())
+            dist.broadcast(ports, src=0, group=self._pod_group)
+        return int(ports[0].item()), int(ports[1].item())
+
+    def _check_participants(self, replica_ids: list[str]) -> None:
+        """Raise UnadmittedReplicaError if a quorum participant is not one of this step's
+        pods: the Lighthouse's front admits only the run's trainers, and this keeps a pod from
+        healing from, or training with, any other replica all the same."""
+        unknown = sorted({replica_pod(r) for r in replica_ids} - self._step_pods)
+        if self._step_pods and unknown:
+            raise UnadmittedReplicaError(
+                f"the quorum holds a replica of pod(s) {', '.join(map(repr, unknown))}, which "
+                f"this step's request does not name (TrainRequest.pod_ids: "
+                f"{', '.join(sorted(self._step_pods))}); this pod neither heals from nor trains "
+                "with it"
+            )
 
     def _pod_any(self, flag: bool) -> bool:
         """Every rank of the pod: True if ``flag`` is True on any of them."""
@@ -404,6 +437,7 @@ class CrossPodReplica:
         the step's pods. Raises BatchError (this pod refuses its share) or ReplicaStepError;
         either way nothing was stepped."""
         self._in_quorum = self._voted = False
+        self._step_pods = frozenset(request.pod_ids)
         started = time.monotonic()
         deadline = started + self.settings.quorum_timeout_seconds
         sequences = len(request.sequences)
@@ -419,6 +453,18 @@ class CrossPodReplica:
             attempt += 1
             failure = self._start_quorum(deadline)
             refusal: BatchError | None = None
+            # No rank healed or built a process group from this quorum: form it again.
+            if self._pod_any(isinstance(failure, UnadmittedReplicaError)):
+                if time.monotonic() + pause > deadline:
+                    raise ReplicaStepError(
+                        f"{failure or 'another rank saw a replica of a pod not in this step'}, "
+                        f"after {attempt} attempts in "
+                        f"{self.settings.quorum_timeout_seconds:.0f} s; no pod stepped"
+                    )
+                log.warning("%s: forming the quorum again", failure or "an unknown replica")
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                continue
             if failure is None:
                 try:
                     check()
@@ -599,6 +645,23 @@ class CrossPodReplica:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _AdmittingClient:
+    """torchft's manager client whose quorums pass ``check`` (it raises) before torchft acts on
+    them: a heal from a peer, the process group's rebuild."""
+
+    def __init__(self, client: Any, check: Callable[[list[str]], None]) -> None:
+        self._client = client
+        self._check = check
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._check(list(result.replica_ids))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def _copy_into(target: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:

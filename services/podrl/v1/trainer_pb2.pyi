@@ -39,20 +39,22 @@ class TrainSequence(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("sequences", "policy_version", "batch_id", "global_sequences", "global_completion_tokens", "pods")
+    __slots__ = ("sequences", "policy_version", "batch_id", "global_sequences", "global_completion_tokens", "pods", "pod_ids")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PODS_FIELD_NUMBER: _ClassVar[int]
+    POD_IDS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
     policy_version: int
     batch_id: str
     global_sequences: int
     global_completion_tokens: int
     pods: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., global_sequences: _Optional[int] = ..., global_completion_tokens: _Optional[int] = ..., pods: _Optional[int] = ...) -> None: ...
+    pod_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., global_sequences: _Optional[int] = ..., global_completion_tokens: _Optional[int] = ..., pods: _Optional[int] = ..., pod_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
     __slots__ = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "learning_rate", "step_seconds")
