@@ -491,8 +491,50 @@ def _allowed(
     return False
 
 
-def test_network_policies_are_off_by_default() -> None:
-    assert not [o for o in render({}) if o["kind"] == "NetworkPolicy"]
+def _policies(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] == "NetworkPolicy"]
+
+
+def _pod_labels(objects: list[dict]) -> dict[str, dict[str, str]]:
+    """The pod labels of the controller, the worker pods and the helm test pod, by component."""
+    labels = {
+        o["metadata"]["name"].removeprefix(f"{RELEASE}-"): o["spec"]["template"]["metadata"][
+            "labels"
+        ]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    labels["test"] = find(objects, "Pod")["metadata"]["labels"]
+    return labels
+
+
+def test_by_default_only_the_lighthouse_port_is_fenced_to_the_worker_pods() -> None:
+    """networkPolicy.enabled is off by default, networkPolicy.lighthouse on: one policy, which
+    admits to the Lighthouse port only the worker pods and leaves every other port as it is."""
+    objects = render({})
+    policies = _policies(objects)
+    assert [p["metadata"]["name"] for p in policies] == [f"{RELEASE}-controller-lighthouse"]
+    labels = _pod_labels(objects)
+    worker, controller = labels["worker"], labels["controller"]
+    stranger = {"app": "something-else"}
+    assert _allowed(policies, worker, controller, 29510)
+    for source in (labels["test"], stranger):
+        assert not _allowed(policies, source, controller, 29510)
+    for port in (50050, 8080):  # the controller's gRPC and REST: open, as without policies
+        assert _allowed(policies, stranger, controller, port)
+    assert _allowed(policies, stranger, worker, 50053)  # the workers are not selected
+    # It follows the Lighthouse's port.
+    moved = render({"runConfig": {"trainer": {"replication": {"lighthouse_bind": "[::]:7000"}}}})
+    assert _allowed(_policies(moved), worker, controller, 7000)
+    assert not _allowed(_policies(moved), stranger, controller, 7000)
+    # With networkPolicy.enabled the controller's own policy fences the port (one policy
+    # per pod kind); turned off, or without a Lighthouse, there is none.
+    full = render({"networkPolicy": {"enabled": True}})
+    assert f"{RELEASE}-controller-lighthouse" not in {
+        p["metadata"]["name"] for p in _policies(full)
+    }
+    assert not _policies(render({"networkPolicy": {"lighthouse": False}}))
+    assert not _policies(render({"runConfig": {"controller": {"max_worker_pods": 1}}}))
 
 
 def test_network_policies_let_only_the_controller_and_the_test_pod_reach_worker_grpc() -> None:
@@ -504,15 +546,8 @@ def test_network_policies_let_only_the_controller_and_the_test_pod_reach_worker_
         }
     }
     objects = render(values)
-    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    labels = {
-        o["metadata"]["name"].removeprefix(f"{RELEASE}-"): o["spec"]["template"]["metadata"][
-            "labels"
-        ]
-        for o in objects
-        if o["kind"] in ("Deployment", "StatefulSet")
-    }
-    labels["test"] = find(objects, "Pod")["metadata"]["labels"]
+    policies = _policies(objects)
+    labels = _pod_labels(objects)
     stranger = {"app": "something-else"}
     worker, controller = labels["worker"], labels["controller"]
     for port in (50051, 50052, 50053):  # generator, grader, trainer gRPC

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from podrl.config import ConfigError
 from podrl.tools.render_k8s import HelmError, helm_template
 from tests.k8s.local_pod import image_config, image_of
 from tests.k8s.manifests import (
@@ -66,15 +67,19 @@ def test_the_lighthouse_is_a_sidecar_of_the_controller_pod_from_the_trainer_imag
     assert annotations["kubectl.kubernetes.io/default-container"] == "controller"
 
 
-def test_the_lighthouse_has_a_named_port_http_probes_resources_and_no_privileges() -> None:
+def test_the_lighthouse_has_a_named_port_grpc_probes_resources_and_no_privileges() -> None:
     objects = render({})
     lighthouse = container(_controller_pod(objects), "lighthouse")
     assert lighthouse["ports"] == [
         {"name": "lighthouse", "containerPort": 29510, "protocol": "TCP"}
     ]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        # torchft's status page: the Lighthouse serves no gRPC health service.
-        assert lighthouse[kind]["httpGet"] == {"path": "/status", "port": "lighthouse"}, kind
+        # The front's gRPC health: torchft's status page is on loopback only.
+        assert lighthouse[kind]["grpc"] == {
+            "port": 29510,
+            "service": "torchft.LighthouseService",
+        }, kind
+        assert "httpGet" not in lighthouse[kind], kind
     assert lighthouse["resources"]["requests"] == {"cpu": "100m", "memory": "512Mi"}
     assert lighthouse["resources"]["limits"] == {"memory": "1Gi"}
     assert (
@@ -83,17 +88,35 @@ def test_the_lighthouse_has_a_named_port_http_probes_resources_and_no_privileges
     )
     assert lighthouse["securityContext"]["readOnlyRootFilesystem"] is True
     assert lighthouse["securityContext"]["runAsNonRoot"] is True
-    # Only its /tmp is writable; it mounts the run config and nothing else (no run secret:
-    # torchft's Lighthouse authenticates nobody; the NetworkPolicy is its fence).
+    # Only its /tmp is writable; it mounts the run config and the run secret (its front
+    # checks the MAC in the trainers' replica ids), both read-only, as the controller does.
     mounts = {m["mountPath"]: m for m in lighthouse["volumeMounts"]}
-    assert sorted(mounts) == ["/etc/podrl", "/tmp"]
+    assert sorted(mounts) == ["/etc/podrl", "/tmp", "/var/run/secrets/podrl"]
     assert mounts["/etc/podrl"]["readOnly"] is True
     volumes = {v["name"]: v for v in _controller_pod(objects)["volumes"]}
     assert volumes[mounts["/tmp"]["name"]] == {"name": "tmp-lighthouse", "emptyDir": {}}
+    controller = container(_controller_pod(objects), "controller")
+    secret_mount = next(m for m in controller["volumeMounts"] if m["name"] == "run-secret")
+    assert mounts["/var/run/secrets/podrl"] == secret_mount
     env = env_map(lighthouse, FIELDS)
-    assert "PODRL_RUN_SECRET_FILE" not in env
-    assert env["PODRL_TRAINER__REPLICATION__LIGHTHOUSE_BIND"] == "0.0.0.0:29510"
+    assert env["PODRL_RUN_SECRET_FILE"] == env_map(controller, FIELDS)["PODRL_RUN_SECRET_FILE"]
     assert env["HOME"] == "/tmp" and env["DO_NOT_TRACK"] == "1"
+
+
+def test_torchfts_server_listens_on_loopback_and_the_front_on_the_service_port() -> None:
+    """The Service port is podrl's authenticating front; torchft's own server (its status
+    page, its kill endpoint) is bound to loopback, which the run config refuses to widen."""
+    from podrl.config import load_config
+
+    env = env_map(container(_controller_pod(render({})), "lighthouse"), FIELDS)
+    assert env["PODRL_TRAINER__REPLICATION__LIGHTHOUSE_BIND"] == "0.0.0.0:29510"
+    assert env["PODRL_TRAINER__REPLICATION__LIGHTHOUSE_SERVER_BIND"] == "127.0.0.1:0"
+    settings = load_config(None, env).trainer.replication
+    assert settings.lighthouse_server_bind == "127.0.0.1:0"
+    assert settings.lighthouse_bind == "0.0.0.0:29510"
+    wide = {**env, "PODRL_TRAINER__REPLICATION__LIGHTHOUSE_SERVER_BIND": "0.0.0.0:1"}
+    with pytest.raises(ConfigError, match=r"lighthouse_server_bind.*loopback only"):
+        load_config(None, wide)
 
 
 def test_the_controller_service_exposes_it_and_every_trainer_gets_its_address() -> None:

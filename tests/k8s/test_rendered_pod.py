@@ -285,14 +285,9 @@ def test_a_busy_port_is_remapped_for_every_container(running: RunningRelease) ->
 
 @pytest.mark.slow
 def test_every_container_reads_the_run_secret_from_its_mount(running: RunningRelease) -> None:
-    """Every podrl service; not the Lighthouse, which authenticates nobody (torchft's)."""
-    lighthouse = running.controller.container("lighthouse")
-    assert "PODRL_RUN_SECRET_FILE" not in lighthouse.env
-    assert not lighthouse.path("/var/run/secrets/podrl").exists()
+    """Every podrl service, the Lighthouse too (its front checks the trainers' replica ids)."""
     for pod in running.pods:
         for c in pod.main_containers():
-            if c is lighthouse:
-                continue
             file = c.env["PODRL_RUN_SECRET_FILE"]
             assert file == str(c.path("/var/run/secrets/podrl/run-secret")), c.name
             assert Path(file).read_bytes() == running.run_secret, c.name
@@ -313,14 +308,15 @@ def test_trainer_and_generator_load_one_read_only_model_folder(running: RunningR
 def test_the_trainer_gets_the_address_of_the_lighthouse_sidecar(running: RunningRelease) -> None:
     """The worker pod's trainer (pod 0 of ``replicas: 2`` in the cpu start) is given the
     Lighthouse through the controller Service; its running process reports that address,
-    and there the controller pod's Lighthouse answers a torchft quorum request, which its
-    status page (the probes' target) then shows."""
+    and there the controller pod's Lighthouse answers a torchft quorum request whose replica
+    id carries the run secret's MAC, refuses one without, and serves no HTTP page."""
     from torchft.coordination import LighthouseClient
 
-    from podrl.common.auth import CallerCredentials
+    from podrl.common.auth import CallerCredentials, load_run_secret
     from podrl.common.grpc_options import open_channel
     from podrl.config.auth import AuthConfig
     from podrl.config.transport import GrpcConfig
+    from podrl.trainer.lighthouse_front import signed_replica_id
     from podrl.v1 import common_pb2, trainer_pb2_grpc
 
     if running.name == "cpu":
@@ -340,19 +336,25 @@ def test_the_trainer_gets_the_address_of_the_lighthouse_sidecar(running: Running
     assert info.info.details["lighthouse"] == local
 
     client = LighthouseClient(f"http://{local}", connect_timeout=timedelta(seconds=10))
-    probe = f"{WORKER_POD}-probe"
-    quorum = client.quorum(
-        replica_id=probe,
-        timeout=timedelta(seconds=30),
-        address="127.0.0.1:1",
-        store_address="127.0.0.1:2",
-        step=0,
-        world_size=1,
-    )
-    assert [member.replica_id for member in quorum.participants] == [probe]
-    path = lighthouse.spec["readinessProbe"]["httpGet"]["path"]
-    status = httpx.get(f"http://{local}{path}", timeout=5)
-    assert status.status_code == 200 and probe in status.text
+    secret = load_run_secret(AuthConfig(), secret_env)
+    pod = f"{WORKER_POD}-probe"
+    probe = f"{signed_replica_id(secret, pod, 'http://127.0.0.1:1', '127.0.0.1:2')}:u"
+
+    def join(replica_id: str) -> object:
+        return client.quorum(
+            replica_id=replica_id,
+            timeout=timedelta(seconds=30),
+            address="http://127.0.0.1:1",
+            store_address="127.0.0.1:2",
+            step=0,
+            world_size=1,
+        )
+
+    assert [member.replica_id for member in join(probe).participants] == [probe]
+    with pytest.raises(Exception, match=r"UNAUTHENTICATED|Unauthenticated"):
+        join(pod)
+    with contextlib.suppress(httpx.HTTPError):  # no response at all: the front is gRPC only
+        assert httpx.get(f"http://{local}/status", timeout=5).status_code != 200
 
 
 def test_a_pod_whose_volume_is_read_only_and_writable_at_once_is_refused(tmp_path) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torchft.coordination import LighthouseClient
 
 from podrl.common.auth import load_run_secret
@@ -18,6 +20,8 @@ from podrl.trainer.lighthouse_front import signed_replica_id
 from tests.trainer.pods import start_lighthouse
 
 TIMEOUT = timedelta(seconds=10)
+# torchft's client raises the gRPC status as text.
+REFUSED = r"UNAUTHENTICATED|Unauthenticated"
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +75,10 @@ def test_a_quorum_join_without_the_runs_mac_is_refused(lighthouse) -> None:
     manager, store = "http://127.0.0.1:9", "127.0.0.1:9"
     copied = signed_replica_id(secret, "local-0", "http://10.0.0.5:1234", "10.0.0.5:1235")
     for replica_id in ("local-7:evil", "local-7", f"local-7:{'0' * 64}", f"{copied}:uuid"):
-        with pytest.raises(Exception, match="UNAUTHENTICATED|Unauthenticated") as refused:
+        with pytest.raises(Exception, match=REFUSED) as refused:
             _join(lighthouse.address, replica_id, manager, store, step=10**6)
         assert "only the run's trainers join its quorums" in str(refused.value)
-        with pytest.raises(Exception, match="UNAUTHENTICATED|Unauthenticated"):
+        with pytest.raises(Exception, match=REFUSED):
             _client(lighthouse.address).heartbeat(replica_id)
     status = lighthouse.status()
     assert "local-7" not in status and "127.0.0.1:9" not in status
@@ -90,11 +94,33 @@ def test_a_replica_id_with_the_runs_mac_joins_and_then_heartbeats(lighthouse) ->
     replica_id = f"{signed_replica_id(secret, 'local-3', manager, store)}:uuid-1"
     client = _client(lighthouse.address)
     # Before its quorum, the front knows no such replica: no heartbeat.
-    with pytest.raises(Exception, match="UNAUTHENTICATED|Unauthenticated"):
+    with pytest.raises(Exception, match=REFUSED):
         client.heartbeat(replica_id)
     quorum = _join(lighthouse.address, replica_id, manager, store)
     assert [p.replica_id for p in quorum.participants] == [replica_id]
     client.heartbeat(replica_id)
     # A copy of that id at another manager address is still refused.
-    with pytest.raises(Exception, match="UNAUTHENTICATED|Unauthenticated"):
+    with pytest.raises(Exception, match=REFUSED):
         _join(lighthouse.address, replica_id, "http://127.0.0.1:9", store)
+
+
+def test_the_front_forwards_only_quorum_and_heartbeat_and_refuses_malformed_requests(
+    lighthouse,
+) -> None:
+    with grpc.insecure_channel(lighthouse.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="torchft.LighthouseService"), timeout=10
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        # torchft's other Lighthouse methods (and anything else) are not served.
+        with pytest.raises(grpc.RpcError) as other:
+            channel.unary_unary("/torchft.LighthouseService/GetConfig")(b"", timeout=10)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        quorum = channel.unary_unary("/torchft.LighthouseService/Quorum")
+        # Not protobuf; a replica id given twice (protobuf would keep the last, unchecked one).
+        member = b"\x0a\x07local-0" + b"\x0a\x07local-1"
+        for request in (b"\xff\xff", b"\x0a" + bytes([len(member)]) + member):
+            with pytest.raises(grpc.RpcError) as malformed:
+                quorum(request, timeout=10)
+            assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed request" in malformed.value.details()

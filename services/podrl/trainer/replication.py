@@ -449,12 +449,16 @@ class CrossPodReplica:
         )
         pause = QUORUM_RETRY_SECONDS
         attempt = 0
+        # The last quorum refused for a replica of another pod: a later failure (the quorum
+        # call timing out) is most likely still that replica's doing.
+        stranger: BaseException | None = None
         while True:
             attempt += 1
             failure = self._start_quorum(deadline)
             refusal: BatchError | None = None
             # No rank healed or built a process group from this quorum: form it again.
             if self._pod_any(isinstance(failure, UnadmittedReplicaError)):
+                stranger = failure or stranger
                 if time.monotonic() + pause > deadline:
                     raise ReplicaStepError(
                         f"{failure or 'another rank saw a replica of a pod not in this step'}, "
@@ -481,8 +485,9 @@ class CrossPodReplica:
                 self.close(f"joining the step's quorum failed: {failure}")
                 raise ReplicaStepError(
                     f"pod {self.replica_id} could not join the quorum of this step's pods "
-                    f"({type(failure).__name__ if failure else 'another rank'}: {failure}); "
-                    "nothing was stepped"
+                    f"({type(failure).__name__ if failure else 'another rank'}: {failure}"
+                    + (f"; before that, {stranger}" if stranger else "")
+                    + "); nothing was stepped"
                 ) from failure
             held_sequences, held_tokens, pods, refused, *claimed = counts.tolist()
             if [c / pods for c in claimed] != list(expected):
