@@ -168,6 +168,8 @@ def test_two_pods_share_each_step_and_end_with_the_parameters_of_one_pod(
         totals = {pod.trainer.applied[step].global_sequences for pod in pods}
         assert totals == {len(shares[0] | shares[1])}
         assert {pod.trainer.applied[step].pods for pod in pods} == {2}
+        # The step's pods by worker id: a trainer refuses a quorum holding any other pod.
+        assert {tuple(pod.trainer.applied[step].pod_ids) for pod in pods} == {("pod-0", "pod-1")}
     digests = {_digest(pod.address).sha256 for pod in pods}
     assert len(digests) == 1
     _check_every_prompt_once(run["samples"], STEPS)
