@@ -202,7 +202,12 @@ def start_front(
             "Heartbeat": _forwarder(channel, "Heartbeat", gate and gate.check_heartbeat),
         },
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), handlers=[handlers])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        handlers=[handlers],
+        # Without it grpc binds a port another process holds (SO_REUSEPORT), sharing it.
+        options=[("grpc.so_reuseport", 0)],
+    )
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     try:
