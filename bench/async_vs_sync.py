@@ -271,6 +271,7 @@ def main() -> int:
         curve = " ".join("—" if r is None else f"{r:.2f}" for r in row["reward_curve"][::5])
         print(f"{row['mode']:>6} {curve}")
     result = {
+        **results_table.stamp(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **gpu_name()},
         "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "work")},
         "target": {"speedup_min": 1.3, "accuracy_gap_max": 0.05},

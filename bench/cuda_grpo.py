@@ -303,6 +303,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def run(opts: Options) -> dict[str, Any]:
+    from bench import results_table
     from bench.run_env import pythonpath
     from bench.vllm_cuda import environment  # torch and vLLM's worker extension: import late
 
@@ -310,6 +311,7 @@ def run(opts: Options) -> dict[str, Any]:
     os.environ["PYTHONPATH"] = pythonpath()
     preparation: dict[str, Any] = {}
     results: dict[str, Any] = {
+        **results_table.stamp(),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         "environment": environment(opts.device),
         "preparation": preparation,

@@ -500,6 +500,7 @@ def main() -> int:
             "in-process loop's samples/s: the most any system generating with it could"
         )
     result = {
+        **results_table.stamp(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "settings": {k: str(v) for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,

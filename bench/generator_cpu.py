@@ -195,6 +195,7 @@ def main() -> int:
               f"{r['generate_vllm_stop_cpu_s']:>6.3f} {r['apply_version_only_ms']:>16.2f} "
               f"{r['apply_full_ms']:>8.2f}")  # fmt: skip
     result = {
+        **results_table.stamp(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "settings": {"calls": args.calls, "applies": args.applies, "model": "tiny (random init)"},
         "rows": rows,

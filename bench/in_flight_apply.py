@@ -112,6 +112,7 @@ def main() -> int:
             f"{row['worker_apply_ms_median']:>11.2f}"
         )
     result = {
+        **results_table.stamp(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "settings": {"applies": args.applies, "engine_core": args.engine_core},
         "idle_round_trip_ms_median": idle_ms,

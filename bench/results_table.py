@@ -10,9 +10,10 @@ from the committed JSON (``tests/foundation/test_bench_tables.py`` checks they a
 Text below the table's end marker (a "Notes" section: what changed between runs, what no JSON
 holds) is written by hand and kept when the table is rendered again.
 
-A row is dated by its JSON's own ``date`` and ``commit`` fields (``started``, seconds since the
-epoch, for ``bench/vllm_cuda.py``) where the file has them; the table never adds a date of its own,
-so rendering it again from the same JSON gives the same table.
+A row is dated by its JSON's own ``date`` and ``commit`` fields, which a bench takes from
+``stamp()`` when it assembles its result (``started``, seconds since the epoch, for
+``bench/vllm_cuda.py``); files written before that have neither. The table adds no date of its
+own, so rendering it again from the same JSON gives the same table.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,6 +304,25 @@ def write_table(bench: str, folder: Path = RESULTS) -> Path:
     notes = split(table.read_text())[1] if table.exists() else ""
     table.write_text(render(bench, bench_files(bench, folder)) + notes)
     return table
+
+
+def stamp() -> dict[str, str | None]:
+    """When and what a bench run measured, for the top of its JSON: ``date`` (UTC, now) and
+    ``commit`` (the checkout's short hash; None outside a git checkout, as on a device machine
+    that gets the working tree without ``.git``)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        )
+        commit = done.stdout.strip() if done.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    now = datetime.datetime.now(datetime.UTC)
+    return {"date": now.strftime(DATE_FORMAT), "commit": commit or None}
 
 
 def update(bench: str, written: Path) -> Path:

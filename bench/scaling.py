@@ -213,6 +213,7 @@ def main() -> int:
         )
     by_pods = {row["pods"]: row for row in rows}
     result: dict[str, Any] = {
+        **results_table.stamp(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **gpu_name()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "rows": rows,

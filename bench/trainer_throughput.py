@@ -672,7 +672,11 @@ def write_outputs(args, results, before, ablations, profiles) -> None:
     settings["device"] = torch.cuda.get_device_name(0) if on_cuda() else "cpu"
     settings["torch"] = torch.__version__
     settings["mixed_lengths"] = batch_lengths("mixed", args)
+    sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+    from bench import results_table
+
     payload = {
+        **results_table.stamp(),
         "settings": settings,
         "results": results,
         "before": before,
@@ -680,9 +684,6 @@ def write_outputs(args, results, before, ablations, profiles) -> None:
         "checks": checks,
     }
     args.out.write_text(json.dumps(payload, indent=2))
-    sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
-    from bench import results_table
-
     results_table.update("trainer_throughput", args.out)
     if profiles:
         args.profile_out.write_text("".join(profiles))

@@ -569,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench
+    from bench import results_table
+
+    stamp = results_table.stamp()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -593,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             for s, d in pairs:
                 results.append(run_shape(args, shape, s, d, placement))
                 if args.out:  # after every row: a run cut short still leaves its rows
-                    out = {"settings": _settings(args), "results": results}
+                    out = {**stamp, "settings": _settings(args), "results": results}
                     args.out.write_text(json.dumps(out, indent=2))
     modes = ("legacy_podrl", *MODES)
     header = f"{'where':<5} {'shape':<6} {'dtypes':<18} {'GiB':>6} " + " ".join(
@@ -612,10 +616,8 @@ def main(argv: list[str] | None = None) -> int:
             stages = "  ".join(f"{k} {v:.2f}" for k, v in r[key].items())
             print(f"      {key.removesuffix('_stages_ms'):<30} {stages}")
     if args.out:
-        args.out.write_text(json.dumps({"settings": _settings(args), "results": results}, indent=2))
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench
-        from bench import results_table
-
+        out = {**stamp, "settings": _settings(args), "results": results}
+        args.out.write_text(json.dumps(out, indent=2))
         results_table.update("weight_sync", args.out)
     return 0
 

@@ -6,6 +6,7 @@ that table from drifting from the JSON it is rendered from, without running any 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,25 @@ def test_every_committed_json_has_a_bench_table() -> None:
 
 
 @pytest.mark.parametrize("bench", sorted(LAYOUTS))
-def test_every_bench_renders_its_table_after_writing_its_json(bench: str) -> None:
+def test_every_bench_dates_its_json_and_renders_its_table(bench: str) -> None:
     source = (BENCH_DIR / f"{bench}.py").read_text()
     assert f'results_table.update("{bench}"' in source, f"bench/{bench}.py never calls update"
+    # bench/vllm_cuda.py records its own start time (Results.started), which dates its rows;
+    # its device script rebuilds Results from the JSON, so the JSON takes no other keys.
+    if bench != "vllm_cuda":
+        assert "results_table.stamp()" in source, f"bench/{bench}.py writes no date into its JSON"
+
+
+def test_a_stamp_names_the_utc_date_and_the_checked_out_commit() -> None:
+    stamp = results_table.stamp()
+    assert stamp["date"] is not None and stamp["date"].endswith(" UTC")
+    head = subprocess.run(
+        ["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert stamp["commit"] == head.stdout.strip()
 
 
 def test_update_renders_every_json_of_the_bench_and_keeps_the_notes(tmp_path: Path) -> None:
