@@ -5,7 +5,7 @@ Protocol per rank (files under ``out``), for versions 1 and 2:
 
 1. a GRPO ``train_step`` (the second one blocks in the optimizer pre-step hook until the
    generator acknowledged version 1 by writing ``ack-1``);
-2. ``TrainerWeightSync.publish`` (every rank its own shards, rank 0 assembles the manifest);
+2. ``WeightPublishing.publish`` (every rank its own shards, rank 0 assembles the manifest);
 3. every parameter's full tensor (DTensor ``full_tensor``) for the test to compare against;
    rank 0 writes ``full-<v>.pt`` and then ``manifest-<v>.bin``.
 
@@ -35,7 +35,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     )  # fmt: skip
     from podrl.config import load_config
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.weight_publishing import TrainerWeightSync
+    from podrl.trainer.weight_publishing import WeightPublishing
     from podrl.v1 import trainer_pb2
     from tests.trainer.rank_worker import make_request
 
@@ -57,7 +57,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     events: dict[str, list[float]] = {"hook_entered": [], "hook_released": []}
     # Registered before and after the weight sync's own pre-step hook: brackets its wait.
     engine.optimizer.register_step_pre_hook(lambda *_: events["hook_entered"].append(time.time()))
-    sync = TrainerWeightSync(
+    sync = WeightPublishing(
         engine,
         rank=rank,
         publisher_id=config.worker_id,

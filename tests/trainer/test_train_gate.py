@@ -1,5 +1,5 @@
 """The Train gate through the real TrainerServicer: a real engine (1 rank), the real rank
-command loop and the real weight-publishing commands (``TrainerWeightSync`` over a real
+command loop and the real weight-publishing commands (``WeightPublishing`` over a real
 ``WeightPublisher``), served over real gRPC in this process.
 
 On CPU the real publisher stages weights into shared memory, so it never needs the
@@ -32,7 +32,7 @@ from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.trainer.servicer import TrainerServicer
-from podrl.trainer.weight_publishing import TrainerWeightSync, register_weight_commands
+from podrl.trainer.weight_publishing import WeightPublishing, register_weight_commands
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from podrl.weights.errors import PublishError
 from tests.trainer.rank_worker import config_env, make_request
@@ -44,7 +44,7 @@ PUBLISH_GRACE_SECONDS = 2.0
 @dataclass
 class Served:
     engine: TrainerEngine
-    sync: TrainerWeightSync
+    sync: WeightPublishing
     stub: trainer_pb2_grpc.TrainerStub
 
 

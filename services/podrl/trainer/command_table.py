@@ -12,7 +12,7 @@ from pathlib import Path
 
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.rank_command_loop import CommandLoop
-from podrl.trainer.weight_publishing import TrainerWeightSync, register_weight_commands
+from podrl.trainer.weight_publishing import WeightPublishing, register_weight_commands
 from podrl.v1 import trainer_pb2
 
 TRAIN = "train"
@@ -59,7 +59,7 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
     loop.register(PARAMETERS_DIGEST, digest)
 
 
-def register_commands(loop: CommandLoop, engine: TrainerEngine) -> TrainerWeightSync:
+def register_commands(loop: CommandLoop, engine: TrainerEngine) -> WeightPublishing:
     """Every command of the trainer, registered identically on every rank; returns this rank's
     weight publishing (its Train gate and optimizer hook are installed)."""
     register_builtin_commands(loop, engine)

@@ -54,7 +54,7 @@ class _Engine(Protocol):
     policy_version: int
 
 
-class TrainerWeightSync:
+class WeightPublishing:
     """This rank's :class:`~podrl.weights.Publisher` (rank 0's also assembles the manifest);
     ``ack_timeout``: how long an optimizer step waits for the acknowledgement of a version
     published from the live GPU parameters (``trainer.weights_ack_timeout_seconds``)."""
@@ -141,9 +141,9 @@ class TrainerWeightSync:
 
 def register_weight_commands(
     loop: _Loop, engine: _Engine, *, rank: int, publisher_id: str, ack_timeout: float
-) -> TrainerWeightSync:
+) -> WeightPublishing:
     """Register PUBLISH/ACK on this rank's command loop (every rank, same order)."""
-    sync = TrainerWeightSync(engine, rank=rank, publisher_id=publisher_id, ack_timeout=ack_timeout)
+    sync = WeightPublishing(engine, rank=rank, publisher_id=publisher_id, ack_timeout=ack_timeout)
     loop.register(PUBLISH_WEIGHTS, sync.publish)
     loop.register(ACKNOWLEDGE_WEIGHTS, sync.acknowledge)
     return sync
