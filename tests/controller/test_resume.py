@@ -218,6 +218,17 @@ def test_newest_checkpoint_skips_writes_in_progress_and_incomplete_folders(tmp_p
     assert newest_checkpoint(tmp_path) == (tmp_path / "step-00000008").absolute()
 
 
+def test_newest_checkpoint_orders_by_the_version_of_either_state_format(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path / "step-00000004", 4, None)  # format 1: a top-level step
+    newer = tmp_path / "step-00000006"
+    newer.mkdir()
+    (newer / ".metadata").write_bytes(b"")
+    (newer / STATE_FILE).write_text(
+        json.dumps({"format": 2, "train_state": {"policy_version": 6}, "controller_state": ""})
+    )
+    assert newest_checkpoint(tmp_path) == newer.absolute()
+
+
 def test_the_state_file_name_is_the_trainers() -> None:
     from podrl.trainer import checkpoint
 

@@ -124,13 +124,7 @@ def scenario(
                 except Exception as err:
                     results.append({"error": f"{type(err).__name__}: {err}"})
             elif kind == "state":
-                results.append(
-                    {
-                        "step": engine.step,
-                        "version": engine.policy_version,
-                        "digest": shard_digest(engine),
-                    }
-                )
+                results.append({"version": engine.policy_version, "digest": shard_digest(engine)})
             elif kind == "faults":
                 faults.reset(step[1])
                 results.append(None)
@@ -143,11 +137,16 @@ def scenario(
                     results.append(None)
                 except Exception as err:
                     results.append({"error": f"{type(err).__name__}: {err}"})
+            elif kind == "to_previous_format":  # the state file as format 1 wrote it
+                state_file = Path(step[1]) / "trainer_state.json"
+                saved = json.loads(state_file.read_text())
+                train_state = saved.pop("train_state")
+                saved.update(train_state, format=1, step=train_state["policy_version"])
+                state_file.write_text(json.dumps(saved))
+                results.append(None)
             elif kind == "load":
                 blob = engine.load_checkpoint(Path(step[1]))
-                results.append(
-                    {"blob": blob.decode(), "step": engine.step, "version": engine.policy_version}
-                )
+                results.append({"blob": blob.decode(), "version": engine.policy_version})
             elif kind == "export":
                 results.append(engine.export_hf(Path(step[1])))
             elif kind == "logits":

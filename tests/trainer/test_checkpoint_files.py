@@ -88,10 +88,36 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_complete(tiny_model,
     )
     assert "checkpoint" in results[6]["error"] and "as it was before" in results[6]["error"]
     # The interrupted save replaced nothing: the folder still holds step 1, all of it.
-    assert results[7] == {"blob": "one", "step": 1, "version": 1}
+    assert results[7] == {"blob": "one", "version": 1}
     assert results[8]["digest"] == results[1]["digest"] != results[4]["digest"]
     # The complete re-save of the same folder replaced it as a whole.
-    assert results[13] == {"blob": "three", "step": 2, "version": 2}
+    assert results[13] == {"blob": "three", "version": 2}
     assert results[14]["digest"] == results[10]["digest"]
     assert _complete_looking(directory) == ["step-00000001"]
     assert sorted(p.name for p in directory.iterdir()) == ["step-00000001"]  # no leftovers
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_previous_state_format_loads(tiny_model, tmp_path):
+    # Format 1 held the train state's keys at the top level, beside a step equal to the version.
+    target = tmp_path / "checkpoints" / "step-00000001"
+    results = run_ranks(
+        1,
+        config_env(str(tiny_model), str(tmp_path)),
+        [
+            ["train", 1],
+            ["state"],  # 1
+            ["save", str(target), "old"],
+            ["to_previous_format", str(target)],
+            ["train", 2],
+            ["load", str(target)],  # 5
+            ["state"],  # 6
+            ["train", 2],
+            ["state"],  # 8
+        ],
+        tmp_path / "out.json",
+    )
+    assert json.loads((target / STATE_FILE).read_text())["format"] == 1
+    assert results[5] == {"blob": "old", "version": 1}
+    assert results[6]["digest"] == results[1]["digest"]
+    assert results[8]["version"] == 2

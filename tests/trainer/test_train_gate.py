@@ -185,7 +185,7 @@ def test_a_batch_error_subclass_raised_in_the_step_is_invalid_argument(
 ) -> None:
     # Replicated trainers check the batch inside the step, on every rank: the kind the rank
     # sets where it caught the error decides the code, not the error's class name.
-    def refuse(request: trainer_pb2.TrainRequest, **_: object) -> trainer_pb2.TrainResponse:
+    def refuse(request: trainer_pb2.TrainRequest, *_: object) -> trainer_pb2.TrainResponse:
         raise _RefusedShareError("sequences[0].advantage: refused by the test")
 
     monkeypatch.setattr(served.engine, "train_step", refuse)

@@ -23,8 +23,19 @@ def checkpoint_folder(config: RunConfig) -> Path:
     return Path(config.trainer.checkpoint_dir or config.run_dir / "checkpoints")
 
 
+def _saved_version(state: object) -> object:
+    """The policy version a trainer state file records: under ``train_state`` (format 2), or
+    format 1's top-level ``step`` (always equal to its version)."""
+    if not isinstance(state, dict):
+        return None
+    train_state = state.get("train_state")
+    if isinstance(train_state, dict):
+        return train_state.get("policy_version")
+    return state.get("step")
+
+
 def newest_checkpoint(folder: Path) -> Path | None:
-    """The complete checkpoint in ``folder`` with the highest trainer step, or None."""
+    """The complete checkpoint in ``folder`` with the highest policy version, or None."""
     if not folder.is_dir():
         return None
     best: tuple[int, str, Path] | None = None
@@ -35,9 +46,9 @@ def newest_checkpoint(folder: Path) -> Path | None:
         if not (state_file.is_file() and (child / ".metadata").is_file()):
             continue
         try:
-            step = json.loads(state_file.read_text()).get("step")
+            version = _saved_version(json.loads(state_file.read_text()))
         except (OSError, ValueError):
             continue
-        if isinstance(step, int) and (best is None or (step, child.name) > best[:2]):
-            best = (step, child.name, child)
+        if isinstance(version, int) and (best is None or (version, child.name) > best[:2]):
+            best = (version, child.name, child)
     return best[2].absolute() if best else None

@@ -1,9 +1,15 @@
 """Resumable checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint folder holds the DCP shards of the model and the optimizer (written by every rank,
-loadable at any world size: DCP reshards DTensors on load) plus ``trainer_state.json`` (rank 0):
-step, policy version, the LR scheduler's state, torch's RNG states and the controller's opaque
-blob (base64).
+A checkpoint is the trainer's state dict ``{model, optim, train_state}``
+(``TrainerEngine.state_dict``, the same dict a healing pod receives): a folder holds the DCP
+shards of the model and the optimizer (written by every rank, loadable at any world size: DCP
+reshards DTensors on load) plus ``trainer_state.json`` (rank 0): the train state (policy
+version, the LR scheduler's state, torch's RNG states: ``podrl.trainer.train_state``), the model
+folder the trainer started from and the controller's opaque blob (base64).
+
+Format 2 nests the train state under ``train_state``; format 1 (before the trainer kept one
+counter) held the same keys at the top level beside a ``step`` equal to ``policy_version``, and
+still loads.
 
 A folder that looks complete (:func:`is_checkpoint`) is complete: :func:`save` writes into a
 hidden sibling (``.<name>.partial``) and renames it into place only once every rank's shards and
@@ -21,28 +27,35 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from podrl.common import faults
 
-if TYPE_CHECKING:
-    from podrl.trainer.engine import TrainerEngine
-
 STATE_FILE = "trainer_state.json"
-FORMAT = 1
+FORMAT = 2
+# Format 1 held the train state's keys at the top level (and a step equal to the version).
+_FORMATS = (1, FORMAT)
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
-# The folders SaveCheckpoint names itself under the checkpoint directory (by trainer step).
+# The folders SaveCheckpoint names itself under the checkpoint directory (by policy version).
 STEP_FOLDER = re.compile(r"^step-(\d{8})$")
 
 
-def step_folder_name(step: int) -> str:
-    return f"step-{step:08d}"
+class Stateful(Protocol):
+    """What a checkpoint saves and restores: the trainer's ``state_dict`` (``model`` and
+    ``optim`` as ``get_state_dict`` returns them, ``train_state`` JSON-ready)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def step_folder_name(version: int) -> str:
+    return f"step-{version:08d}"
 
 
 def _b64(data: bytes) -> str:
@@ -51,14 +64,6 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"))
-
-
-def _rng_bytes(state: torch.Tensor) -> str:
-    return _b64(state.cpu().numpy().tobytes())
-
-
-def _rng_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(_unb64(text)), dtype=torch.uint8).clone()
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -78,12 +83,19 @@ def _all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def save(engine: TrainerEngine, path: Path, controller_state: bytes) -> None:
+def save(
+    trainer: Stateful,
+    path: Path,
+    *,
+    rank: int,
+    world_size: int,
+    model_path: Path,
+    controller_state: bytes,
+) -> None:
     """Every rank: write its shards into ``.<name>.partial``; rank 0 adds the state file and
     renames the folder to ``path`` (replacing a checkpoint already there). Raises on every rank
     if the save failed on any; ``path`` is then as it was before."""
     partial = _hidden_sibling(path, PARTIAL_SUFFIX)
-    rank = engine.env.rank
     error: Exception | None = None
     if rank == 0:
         try:
@@ -94,12 +106,22 @@ def save(engine: TrainerEngine, path: Path, controller_state: bytes) -> None:
             error = err
     if not _all_ranks_ok(error is None):  # also: nobody writes before the folder is fresh
         raise RuntimeError(f"checkpoint {path}: cannot prepare {partial}: {error}") from error
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    state = trainer.state_dict()
+    dcp.save({"model": state["model"], "optim": state["optim"]}, checkpoint_id=str(partial))
     if rank == 0:
+        train_state = state["train_state"]
         try:
-            faults.hit("trainer.checkpoint_before_state", rank=rank, step=engine.step)
-            _write_state(engine, partial, controller_state)
+            faults.hit(
+                "trainer.checkpoint_before_state", rank=rank, version=train_state["policy_version"]
+            )
+            saved = {
+                "format": FORMAT,
+                "world_size": world_size,
+                "model_path": str(model_path),
+                "train_state": train_state,
+                "controller_state": _b64(controller_state),
+            }
+            (partial / STATE_FILE).write_text(json.dumps(saved, indent=1))
             _replace(partial, path)
         except Exception as err:  # the others must hear of it, not wait in a barrier
             error = err
@@ -108,23 +130,6 @@ def save(engine: TrainerEngine, path: Path, controller_state: bytes) -> None:
             f"checkpoint {path} was not saved (rank 0: {type(error).__name__}: {error}); "
             "the folder is as it was before"
         ) from error
-
-
-def _write_state(engine: TrainerEngine, folder: Path, controller_state: bytes) -> None:
-    state = {
-        "format": FORMAT,
-        "step": engine.step,
-        "policy_version": engine.policy_version,
-        "world_size": engine.env.world_size,
-        "model_path": str(engine.model_path),
-        "scheduler": engine.scheduler.state_dict(),
-        "rng_cpu": _rng_bytes(torch.get_rng_state()),
-        "rng_cuda": [_rng_bytes(s) for s in torch.cuda.get_rng_state_all()]
-        if engine.device.type == "cuda"
-        else [],
-        "controller_state": _b64(controller_state),
-    }
-    (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
 def _replace(partial: Path, path: Path) -> None:
@@ -169,26 +174,16 @@ def prune(directory: Path, keep: int, *, keep_path: Path | None = None) -> list[
     return removed
 
 
-def load(engine: TrainerEngine, path: Path) -> bytes:
-    """Every rank: restore model, optimizer, scheduler, counters and RNG from ``path``."""
-    state = json.loads((path / STATE_FILE).read_text())
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {state.get('format')} is not {FORMAT}")
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
-    shards = {"model": model_state, "optim": optim_state}
+def load(trainer: Stateful, path: Path) -> bytes:
+    """Every rank: restore the trainer's state saved at ``path``; the controller's blob."""
+    saved = json.loads((path / STATE_FILE).read_text())
+    if saved.get("format") not in _FORMATS:
+        raise ValueError(
+            f"{path}: checkpoint format {saved.get('format')} is not one of {list(_FORMATS)}"
+        )
+    state = trainer.state_dict()
+    shards = {"model": state["model"], "optim": state["optim"]}
     dcp.load(shards, checkpoint_id=str(path))
-    set_state_dict(
-        engine.model,
-        engine.optimizer,
-        model_state_dict=shards["model"],
-        optim_state_dict=shards["optim"],
-    )
-    engine.scheduler.load_state_dict(state["scheduler"])
-    engine.step = int(state["step"])
-    engine.policy_version = int(state["policy_version"])
-    torch.set_rng_state(_rng_tensor(state["rng_cpu"]))
-    if engine.device.type == "cuda" and state["rng_cuda"]:
-        states = [_rng_tensor(s) for s in state["rng_cuda"]]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-    return _unb64(state["controller_state"])
+    train_state = saved if saved["format"] == 1 else saved["train_state"]
+    trainer.load_state_dict({**shards, "train_state": train_state})
+    return _unb64(saved["controller_state"])

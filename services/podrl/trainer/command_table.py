@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from podrl.trainer.engine import TrainerEngine
-from podrl.trainer.rank_command_loop import CommandLoop
+from podrl.trainer.rank_command_loop import Cancelled, CommandLoop
 from podrl.trainer.weight_publishing import WeightPublishing, register_weight_commands
 from podrl.v1 import trainer_pb2
 
@@ -23,22 +23,25 @@ PARAMETERS_DIGEST = "parameters_digest"
 
 
 def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
-    def train(payload: bytes) -> bytes:
+    # The responses' ``step`` fields carry the policy version: the trainer counts one number.
+    def train(payload: bytes, cancelled: Cancelled) -> bytes:
         request = trainer_pb2.TrainRequest.FromString(payload)
-        return engine.train_step(request).SerializeToString()
+        return engine.train_step(request, cancelled).SerializeToString()
 
     def save(payload: bytes) -> bytes:
         request = trainer_pb2.SaveCheckpointRequest.FromString(payload)
         engine.save_checkpoint(Path(request.path), request.controller_state)
+        version = engine.policy_version
         return trainer_pb2.SaveCheckpointResponse(
-            path=request.path, step=engine.step, policy_version=engine.policy_version
+            path=request.path, step=version, policy_version=version
         ).SerializeToString()
 
     def load(payload: bytes) -> bytes:
         request = trainer_pb2.LoadCheckpointRequest.FromString(payload)
         blob = engine.load_checkpoint(Path(request.path))
+        version = engine.policy_version
         return trainer_pb2.LoadCheckpointResponse(
-            step=engine.step, policy_version=engine.policy_version, controller_state=blob
+            step=version, policy_version=version, controller_state=blob
         ).SerializeToString()
 
     def export(payload: bytes) -> bytes:
@@ -48,11 +51,12 @@ def register_builtin_commands(loop: CommandLoop, engine: TrainerEngine) -> None:
 
     def digest(_payload: bytes) -> bytes:
         sha256 = engine.parameters_digest()
+        version = engine.policy_version
         return trainer_pb2.ParametersDigestResponse(
-            policy_version=engine.policy_version, step=engine.step, sha256=sha256
+            policy_version=version, step=version, sha256=sha256
         ).SerializeToString()
 
-    loop.register(TRAIN, train)
+    loop.register_cancellable(TRAIN, train)
     loop.register(SAVE_CHECKPOINT, save)
     loop.register(LOAD_CHECKPOINT, load)
     loop.register(EXPORT_HF, export)

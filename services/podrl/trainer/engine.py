@@ -11,13 +11,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
@@ -50,12 +50,17 @@ from podrl.trainer.parallel import (
     resolve_device,
     resolve_model_path,
 )
-from podrl.trainer.replication import share_totals, validate_share
+from podrl.trainer.rank_command_loop import Cancelled, never_cancelled
+from podrl.trainer.replication import (
+    CrossPodReplica,
+    ReplicaStepError,
+    parameters_digest,
+    share_totals,
+    validate_share,
+)
 from podrl.trainer.schedule import lr_multiplier
+from podrl.trainer.train_state import AppliedTrain, TrainState
 from podrl.v1 import trainer_pb2
-
-if TYPE_CHECKING:
-    from podrl.trainer.replication import CrossPodReplica
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +83,6 @@ def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class AppliedTrain:
-    """The last Train this engine applied: its ``TrainRequest.batch_id`` ("" if it had none)
-    and its reply, kept so that a retry of the same batch is answered without a second step."""
-
-    batch_id: str
-    response: trainer_pb2.TrainResponse
-
-
 def _metrics(
     values: dict[str, float], diff_max: torch.Tensor, grad_norm: float, lr: float
 ) -> trainer_pb2.TrainMetrics:
@@ -105,11 +101,6 @@ def _metrics(
         tokens=int(values["tokens"]),
         learning_rate=lr,
     )
-
-
-def never_cancelled() -> bool:
-    """``TrainerEngine.train_cancelled`` outside a Train, and on ranks other than 0."""
-    return False
 
 
 class TrainerEngine:
@@ -157,8 +148,10 @@ class TrainerEngine:
             weight_decay=self.settings.weight_decay,
             **self._adamw_implementation(),
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_multiplier(self.settings)
+        # Version, last reply, schedule and RNG: changed only through this object's methods.
+        self.train_state = TrainState(
+            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(self.settings)),
+            self.device,
         )
         self.loss_settings = LossSettings(
             mode=self.settings.loss_mode,
@@ -169,17 +162,11 @@ class TrainerEngine:
             dr_grpo_max_tokens=self.settings.dr_grpo_max_tokens,
             clip_ratio_c=self.settings.clip_ratio_c,
         )
-        self.step = 0
-        self.policy_version = 0
-        self.last_train: AppliedTrain | None = None
         # Checks that may refuse a step before any rank starts it (e.g. weights published from
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
         self.train_gates: list[Callable[[], None]] = []
         # Data parallelism across pods (podrl.trainer.replication): built by the first Train.
         self.replica: CrossPodReplica | None = None
-        # On rank 0, while a Train runs: True once its caller cancelled it (the servicer sets
-        # it; a step waiting for its quorum then gives up). Always False on other ranks.
-        self.train_cancelled: Callable[[], bool] = never_cancelled
         log.info(
             "trainer rank %d/%d: %s on %s, mesh %s",
             self.env.rank,
@@ -200,8 +187,17 @@ class TrainerEngine:
         return self.mesh["dp_shard"].size()
 
     @property
+    def policy_version(self) -> int:
+        """The number of optimizer steps applied to these weights (``train_state``'s)."""
+        return self.train_state.policy_version
+
+    @property
+    def last_train(self) -> AppliedTrain | None:
+        return self.train_state.last_train
+
+    @property
     def learning_rate(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+        return self.train_state.learning_rate
 
     @property
     def replicated(self) -> bool:
@@ -289,7 +285,9 @@ class TrainerEngine:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def train_step(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
+    def train_step(
+        self, request: trainer_pb2.TrainRequest, cancelled: Cancelled = never_cancelled
+    ) -> trainer_pb2.TrainResponse:
         """One optimizer step on the whole batch (every rank, same request) → metrics.
 
         All or nothing over every rank of the trainer's world:
@@ -307,10 +305,12 @@ class TrainerEngine:
         torchft replica group: before 1 the step's quorum of pods forms (a pod behind the others
         heals from one first) and the request is checked; in 3 the vote, the metric sums and
         the gradients are summed over the pods before clipping; before 4 torchft's commit vote
-        runs, and a failed one raises :class:`StepAbortedError` with nothing stepped.
+        runs, and a failed one raises :class:`StepAbortedError` with nothing stepped. A step
+        waiting for its quorum gives up once ``cancelled()`` is True on rank 0 (the caller
+        cancelled the Train).
         """
         started = time.monotonic()
-        replica = self._join_pods(request) if self.replicated else None
+        replica = self._join_pods(request, cancelled) if self.replicated else None
         version = self.policy_version
         lr = self.learning_rate
         # A failed earlier attempt may have left gradients behind: never add them to this step.
@@ -351,16 +351,13 @@ class TrainerEngine:
         metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), diff_max, grad_norm, lr)
         # The commit: from here to the version bump nothing may fail between ranks.
         self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        self.policy_version += 1
+        new_version = self.train_state.advance()
+        # ``step`` is the version: the trainer counts one number (the field stays on the wire).
         response = trainer_pb2.TrainResponse(
-            metrics=metrics, policy_version=self.policy_version, step=self.step
+            metrics=metrics, policy_version=new_version, step=new_version
         )
         try:
-            faults.hit(
-                "trainer.after_optimizer_step", rank=self.env.rank, version=self.policy_version
-            )
+            faults.hit("trainer.after_optimizer_step", rank=self.env.rank, version=new_version)
             self.optimizer.zero_grad(set_to_none=True)
         except Exception:
             # The weights are those of the new version on every rank: report the step as
@@ -368,32 +365,39 @@ class TrainerEngine:
             log.exception(
                 "rank %d: error after the optimizer step of version %d (the step is applied)",
                 self.env.rank,
-                self.policy_version,
+                new_version,
             )
         response.metrics.step_seconds = time.monotonic() - started
-        self.last_train = AppliedTrain(request.batch_id, response)
+        self.train_state.applied(request.batch_id, response)
         return response
 
-    def _join_pods(self, request: trainer_pb2.TrainRequest) -> CrossPodReplica:
+    def _join_pods(
+        self, request: trainer_pb2.TrainRequest, cancelled: Cancelled
+    ) -> CrossPodReplica:
         """Every rank: this step's quorum of pods, a heal if this pod is behind, then the
         batch check; raises BatchError or StepAbortedError (nothing stepped)."""
-        from podrl.trainer.replication import CrossPodReplica, ReplicaStepError
-
         if self.replica is None:
             self.replica = CrossPodReplica(
-                self,
                 self.settings.replication,
                 replica_id=self.config.worker_id,
                 advertise_host=self.settings.advertise_host,
                 pod_group=self._agreement_group,
                 metric_count=len(_SUMS),
+                env=self.env,
+                device=self.device,
+                layout=self._layout(),
+                state_dict=self.state_dict,
+                load_state_dict=self.load_state_dict,
                 # The replica id carries its MAC (the Lighthouse's front checks it).
                 secret=load_run_secret(self.config.auth),
             )
         try:
+            # The version is read when called: a heal inside begin changes it.
             self.replica.begin(
                 request,
-                lambda: validate_share(request, self.policy_version, self.limits, True),
+                version=lambda: self.policy_version,
+                check=lambda: validate_share(request, self.policy_version, self.limits, True),
+                cancelled=cancelled,
             )
         except ReplicaStepError as err:
             raise StepAbortedError(
@@ -504,17 +508,51 @@ class TrainerEngine:
             f"optimizer and policy version {version} are unchanged on every rank"
         ) from failure
 
-    # -- checkpoints and export ----------------------------------------------------------------
+    # -- state, checkpoints and export ---------------------------------------------------------
+
+    def _layout(self) -> dict[str, object]:
+        """What a peer pod's state must match to load here shard by shard (a heal)."""
+        return {
+            "mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
+            "rank": self.env.rank,
+            "parameters": sum(1 for _ in self.model.parameters()),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: ``model`` and ``optim`` (this rank's shards, DTensors) and
+        ``train_state`` (:class:`TrainState`). What a checkpoint saves and a healing pod gets."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optim": optim_state,
+            "train_state": self.train_state.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a state of :meth:`state_dict`'s shape (model and optimizer state dicts as
+        ``set_state_dict`` takes them)."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.train_state.load_state_dict(state["train_state"])
 
     def save_checkpoint(self, path: Path, controller_state: bytes = b"") -> None:
-        checkpoint.save(self, Path(path), controller_state)
+        checkpoint.save(
+            self,
+            Path(path),
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            model_path=self.model_path,
+            controller_state=controller_state,
+        )
 
     def load_checkpoint(self, path: Path) -> bytes:
         """Restore everything saved at ``path``; the controller's blob."""
-        blob = checkpoint.load(self, Path(path))
-        # The stored reply belongs to weights that are gone: a batch resent now trains again.
-        self.last_train = None
-        return blob
+        return checkpoint.load(self, Path(path))
 
     def export_hf(self, path: Path) -> list[str]:
         """Write a Hugging Face safetensors folder (rank 0 writes; every rank must call)."""
@@ -522,8 +560,6 @@ class TrainerEngine:
 
     def parameters_digest(self) -> str:
         """Every rank (a collective): sha256 of the full parameters (rank 0; "" elsewhere)."""
-        from podrl.trainer.replication import parameters_digest
-
         # A forward without backward leaves FSDP2's root unsharded: digest the sharded ones.
         for module in self.model.modules():
             if isinstance(module, FSDPModule):

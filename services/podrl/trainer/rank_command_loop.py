@@ -30,6 +30,17 @@ SHUTDOWN = "shutdown"
 RankHandler = Callable[[bytes], bytes]
 """A command handler: the payload rank 0 sent → this rank's reply payload. It runs on every
 rank, so it may (and usually does) run collectives over the model's process groups."""
+Cancelled = Callable[[], bool]
+"""True once the caller of a running command gave up on it (rank 0's gRPC caller)."""
+CancellableHandler = Callable[[bytes, Cancelled], bytes]
+"""A handler that also hears whether its caller cancelled: rank 0's caller's predicate on
+rank 0, :func:`never_cancelled` on the other ranks (a handler that acts on it must agree
+with the other ranks first, as every collective does)."""
+
+
+def never_cancelled() -> bool:
+    """The cancellation of a command nobody can cancel (ranks > 0, direct calls)."""
+    return False
 
 
 # Kinds that all mean "no rank stepped, nothing changed" (a NonFiniteStepError is one).
@@ -73,12 +84,16 @@ class CommandLoop:
         self.world_size = dist.get_world_size()
         # Its own gloo group: commands are CPU bytes, and ranks > 0 may wait long between them.
         self._group = dist.new_group(backend="gloo", timeout=idle_timeout)
-        self._handlers: dict[str, RankHandler] = {}
+        self._handlers: dict[str, CancellableHandler] = {}
         self._lock = threading.Lock()
         self._closed = False
 
     def register(self, name: str, handler: RankHandler) -> None:
         """Add a command; call it on EVERY rank, in the same order, before serving."""
+        self.register_cancellable(name, lambda payload, _cancelled: handler(payload))
+
+    def register_cancellable(self, name: str, handler: CancellableHandler) -> None:
+        """Add a command whose handler also gets the caller's cancellation (as ``register``)."""
         if name == SHUTDOWN or name in self._handlers:
             raise ValueError(f"rank command {name!r} is already registered")
         self._handlers[name] = handler
@@ -100,12 +115,14 @@ class CommandLoop:
             dist.broadcast(buffer, src=0, group=self._group)
         return bytes(buffer.numpy().tobytes()) if self.rank else data
 
-    def _dispatch(self, command: trainer_pb2.RankCommand) -> trainer_pb2.RankReply:
+    def _dispatch(
+        self, command: trainer_pb2.RankCommand, cancelled: Cancelled = never_cancelled
+    ) -> trainer_pb2.RankReply:
         handler = self._handlers.get(command.name)
         if handler is None:
             return trainer_pb2.RankReply(error=f"unknown rank command {command.name!r}")
         try:
-            return trainer_pb2.RankReply(payload=handler(command.payload))
+            return trainer_pb2.RankReply(payload=handler(command.payload, cancelled))
         except Exception as err:  # reported to rank 0, which raises RankCommandError
             log.exception("rank command %r failed on rank %d", command.name, self.rank)
             return trainer_pb2.RankReply(
@@ -116,8 +133,11 @@ class CommandLoop:
 
     # -- rank 0 --------------------------------------------------------------------------------
 
-    def run(self, name: str, payload: bytes = b"") -> list[bytes]:
+    def run(
+        self, name: str, payload: bytes = b"", *, cancelled: Cancelled = never_cancelled
+    ) -> list[bytes]:
         """Rank 0: run ``name`` on every rank; the reply payloads, indexed by rank.
+        ``cancelled`` reaches rank 0's handler of a cancellable command.
 
         Commands are serialised (one at a time). Raises RankCommandError if any rank failed.
         """
@@ -130,10 +150,10 @@ class CommandLoop:
                 raise RuntimeError("the trainer's rank command loop is shut down")
             command = trainer_pb2.RankCommand(name=name, payload=payload)
             if self.world_size == 1:  # no other rank to tell: four collectives saved a command
-                replies = [self._dispatch(command)]
+                replies = [self._dispatch(command, cancelled)]
             else:
                 self._broadcast_bytes(command.SerializeToString())
-                reply = self._dispatch(command)
+                reply = self._dispatch(command, cancelled)
                 replies = [trainer_pb2.RankReply.FromString(b) for b in self._gather(reply)]
         errors = {rank: r for rank, r in enumerate(replies) if r.error}
         if errors:

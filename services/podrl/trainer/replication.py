@@ -6,16 +6,17 @@ and the pod's ranks 0..n-1 are the replica group's ranks (rank r of every pod ex
 rank r of the others, over a process group that torchft rebuilds when the quorum changes:
 gloo on CPU, NCCL on CUDA). One step:
 
-1. **join** (:meth:`CrossPodReplica.begin`): the Lighthouse forms a quorum of the pods that
-   ask; a pod behind the most advanced one (a new pod at version 0, one whose last step did
-   not commit) **heals** first: it fetches parameters, optimizer state, schedule, step and
-   policy version from a peer (torchft's HTTP checkpoint transport), so its version check
-   sees the peers' version. Then the pods add up what they hold: their shares must make up
-   the request's batch (``global_sequences``, ``global_completion_tokens``) and their number
-   must be ``TrainRequest.pods``. A quorum that misses a pod (torchft forms a quorum as soon
-   as the previous one's members are back, before a newcomer's request arrives) is formed
-   again, until ``quorum_timeout_seconds``. A pod that refuses its share (INVALID_ARGUMENT)
-   says so here, once the quorum is complete, and every other pod aborts too.
+1. **join** (:meth:`CrossPodReplica.begin`): the Lighthouse forms a quorum of the pods that ask;
+   a pod behind the most advanced one (a new pod at version 0, one whose last step did not
+   commit) **heals** first: it fetches a peer's trainer state, the dict a checkpoint saves
+   (parameters, optimizer state and the train state: policy version, schedule, RNG; torchft's
+   HTTP checkpoint transport), so its version check sees the peers' version. Then the pods add
+   up what they hold: their shares must make up the request's batch (``global_sequences``,
+   ``global_completion_tokens``) and their number must be ``TrainRequest.pods``. A quorum that
+   misses a pod (torchft forms a quorum as soon as the previous one's members are back, before a
+   newcomer's request arrives) is formed again, until ``quorum_timeout_seconds``. A pod that
+   refuses its share (INVALID_ARGUMENT) says so here, once the quorum is complete, and every
+   other pod aborts too.
 2. forward/backward on the pod's share, with the batch-wide totals as the loss's
    denominators (so per-pod gradients are parts of one sum);
 3. **exchange** (:meth:`CrossPodReplica.exchange`): a vote (did every pod compute its
@@ -40,11 +41,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only, tree_unflatten
 
@@ -56,10 +56,8 @@ from podrl.config import ConfigError
 from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError, BatchLimits, batch_totals, validate_train_request
 from podrl.trainer.lighthouse_front import replica_pod, signed_replica_id
+from podrl.trainer.parallel import RankEnv
 from podrl.v1 import trainer_pb2
-
-if TYPE_CHECKING:
-    from podrl.trainer.engine import TrainerEngine
 
 log = logging.getLogger(__name__)
 
@@ -228,26 +226,38 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 class CrossPodReplica:
     """This pod's trainer as one torchft replica group; built on every rank of the pod (with
-    the same arguments, at the same point: the first Train)."""
+    the same arguments, at the same point: the first Train).
+
+    ``state_dict``/``load_state_dict`` are the trainer's (torchft's callbacks): the state a
+    healing peer fetches and the one this pod takes when it heals, ``{"model", "optim",
+    "train_state"}``; ``layout`` is what a peer's state must match to load shard by shard."""
 
     def __init__(
         self,
-        engine: TrainerEngine,
         settings: ReplicationConfig,
         *,
         replica_id: str,
         advertise_host: str,
         pod_group: dist.ProcessGroup | None,
         metric_count: int,
+        env: RankEnv,
+        device: torch.device,
+        layout: dict[str, object],
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
         secret: RunSecret | None = None,
     ) -> None:
         from torchft.manager import Manager
 
-        self.engine = engine
         self.settings = settings
         self.replica_id = replica_id
         self._pod_group = pod_group
         self._metric_count = metric_count
+        self._env = env
+        self._device = device
+        self._layout = layout
+        self._trainer_state = state_dict
+        self._load_trainer_state = load_state_dict
         timeout = timedelta(seconds=settings.collective_timeout_seconds)
         self._timeout = timeout
         self._store = None
@@ -259,7 +269,7 @@ class CrossPodReplica:
             f"{advertise_host}:{store_port}",
         )  # fmt: skip
         self.manager = Manager(
-            pg=_process_group(cross_pod_backend(settings.backend, engine.device), timeout),
+            pg=_process_group(cross_pod_backend(settings.backend, device), timeout),
             load_state_dict=self._load_state,
             state_dict=self._state,
             min_replica_size=1,
@@ -271,8 +281,8 @@ class CrossPodReplica:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout_seconds),
             connect_timeout=timedelta(seconds=settings.connect_timeout_seconds),
-            rank=engine.env.rank,
-            world_size=engine.env.world_size,
+            rank=env.rank,
+            world_size=env.world_size,
             store_addr=advertise_host,
             store_port=store_port,
             lighthouse_addr=_lighthouse_url(settings.lighthouse_address),
@@ -291,7 +301,7 @@ class CrossPodReplica:
         self.heals = 0
         log.info(
             "trainer rank %d: replica %r of the pods at %s (store %s:%d)",
-            engine.env.rank,
+            env.rank,
             replica_id,
             settings.lighthouse_address,
             advertise_host,
@@ -303,7 +313,7 @@ class CrossPodReplica:
         on every interface; its port and that of rank 0's torchft manager server (chosen here:
         the replica id's MAC covers the manager's address) told to the pod's other ranks."""
         ports = torch.zeros(2, dtype=torch.int64)
-        if self.engine.env.rank == 0:
+        if self._env.rank == 0:
             self._store = dist.TCPStore(
                 host_name=advertise_host,
                 port=self.settings.store_port,
@@ -339,71 +349,38 @@ class CrossPodReplica:
 
     # -- state a healing pod fetches -------------------------------------------------------------
 
-    def _layout(self) -> dict[str, object]:
-        engine = self.engine
-        return {
-            "mesh": dict(zip(engine.mesh.mesh_dim_names, engine.mesh.shape, strict=True)),
-            "rank": engine.env.rank,
-            "parameters": sum(1 for _ in engine.model.parameters()),
-        }
-
     def _state(self) -> dict[str, object]:
-        """This rank's part of the replica's state: local shards (plain tensors), schedule,
-        step and version. torchft serves it to a healing peer's rank of the same number."""
-        engine = self.engine
-        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
-        return {
-            "layout": self._layout(),
-            "model": tree_map_only(DTensor, _local, model_state),
-            "optim": tree_map_only(DTensor, _local, optim_state),
-            "scheduler": engine.scheduler.state_dict(),
-            "step": engine.step,
-            "policy_version": engine.policy_version,
-        }
+        """This rank's trainer state with its shards as plain tensors, and its layout.
+        torchft serves it to a healing peer's rank of the same number."""
+        return {"layout": self._layout, **tree_map_only(DTensor, _local, self._trainer_state())}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         """Take a peer's state (a heal): every tensor is copied into this rank's own shard."""
-        engine = self.engine
-        if state["layout"] != self._layout():
+        if state["layout"] != self._layout:
             raise ReplicaStateError(
                 f"a peer pod's trainer has layout {state['layout']}, this one "
-                f"{self._layout()}; every pod needs the same model and trainer.dp_shard/tp"
+                f"{self._layout}; every pod needs the same model and trainer.dp_shard/tp"
             )
-        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+        mine = self._trainer_state()
         filled = _copy_into(
-            {"model": model_state, "optim": optim_state},
+            {"model": mine["model"], "optim": mine["optim"]},
             {"model": state["model"], "optim": state["optim"]},
         )
-        set_state_dict(
-            engine.model,
-            engine.optimizer,
-            model_state_dict=filled["model"],
-            optim_state_dict=filled["optim"],
-        )
-        engine.optimizer.zero_grad(set_to_none=True)
-        engine.scheduler.load_state_dict(state["scheduler"])
-        before = engine.policy_version
-        engine.step = int(state["step"])
-        engine.policy_version = int(state["policy_version"])
-        # The stored reply belongs to weights that are gone (as after LoadCheckpoint).
-        engine.last_train = None
+        self._load_trainer_state({**filled, "train_state": state["train_state"]})
         self.heals += 1
         log.info(
-            "trainer rank %d healed from a peer pod: version %d -> %d (step %d)",
-            engine.env.rank,
-            before,
-            engine.policy_version,
-            engine.step,
+            "trainer rank %d healed from a peer pod: version %d -> %d",
+            self._env.rank,
+            mine["train_state"]["policy_version"],
+            state["train_state"]["policy_version"],
         )
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _start_quorum(self, deadline: float) -> BaseException | None:
+    def _start_quorum(self, version: int, deadline: float) -> BaseException | None:
         manager = self.manager
         # torchft's step is the policy version: the quorum heals every pod behind the highest.
-        manager.load_state_dict(
-            {"step": self.engine.policy_version, "batches_committed": manager.batches_committed()}
-        )
+        manager.load_state_dict({"step": version, "batches_committed": manager.batches_committed()})
         remaining = max(deadline - time.monotonic(), 1.0)
         try:
             manager.start_quorum(timeout=timedelta(seconds=remaining))
@@ -431,10 +408,19 @@ class CrossPodReplica:
             work.wait()
         return self.manager.errored()
 
-    def begin(self, request: trainer_pb2.TrainRequest, check: Callable[[], None]) -> None:
-        """Every rank: join this step's quorum (healing first if behind), then check the
-        request with ``check`` (which raises BatchError) and that the quorum holds exactly
-        the step's pods. Raises BatchError (this pod refuses its share) or ReplicaStepError;
+    def begin(
+        self,
+        request: trainer_pb2.TrainRequest,
+        *,
+        version: Callable[[], int],
+        check: Callable[[], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        """Every rank: join this step's quorum (healing first if behind: ``version()`` is
+        the trainer's version at each attempt), then check the request with ``check`` (which
+        raises BatchError) and that the quorum holds exactly the step's pods. While the
+        quorum misses pods, ``cancelled()`` on any rank (rank 0's caller cancelled the Train)
+        ends the wait. Raises BatchError (this pod refuses its share) or ReplicaStepError;
         either way nothing was stepped."""
         self._in_quorum = self._voted = False
         self._step_pods = frozenset(request.pod_ids)
@@ -454,7 +440,7 @@ class CrossPodReplica:
         stranger: BaseException | None = None
         while True:
             attempt += 1
-            failure = self._start_quorum(deadline)
+            failure = self._start_quorum(version(), deadline)
             refusal: BatchError | None = None
             # No rank healed or built a process group from this quorum: form it again.
             if self._pod_any(isinstance(failure, UnadmittedReplicaError)):
@@ -478,7 +464,7 @@ class CrossPodReplica:
                 counts = torch.tensor(
                     [sequences, tokens, 1, int(refusal is not None), *expected],
                     dtype=torch.float64,
-                    device=self.engine.device,
+                    device=self._device,
                 )
                 failure = self._allreduce([counts], dist.ReduceOp.SUM)
             if self._pod_any(failure is not None):
@@ -528,7 +514,7 @@ class CrossPodReplica:
             )
             # The controller cancels the call when a pod of the step is lost: the quorum
             # cannot hold the step without that pod's share, so waiting longer is pointless.
-            if self._pod_any(self.engine.train_cancelled()):
+            if self._pod_any(cancelled()):
                 self.close("the controller cancelled this Train")
                 raise ReplicaStepError(
                     f"{missing}, and the controller cancelled this Train (a pod of the step "
@@ -558,7 +544,7 @@ class CrossPodReplica:
         """Every rank, after the pod's own reductions: the vote and the metric sums, the
         largest logprob gap, then the SUM of every gradient over the pods. Raises
         ReplicaStepError if a pod failed or a cross-pod operation broke."""
-        faults.hit("trainer.before_cross_pod_allreduce", rank=self.engine.env.rank, version=version)
+        faults.hit("trainer.before_cross_pod_allreduce", rank=self._env.rank, version=version)
         self._voted = True
         vote = torch.cat([sums.new_zeros(1), sums])
         error = self._allreduce([vote], dist.ReduceOp.SUM)
@@ -621,9 +607,7 @@ class CrossPodReplica:
         get a failed one, and the step ends without a commit."""
         if self._in_quorum and not self._voted:
             self._voted = True
-            vote = torch.zeros(
-                1 + self._metric_count, dtype=torch.float64, device=self.engine.device
-            )
+            vote = torch.zeros(1 + self._metric_count, dtype=torch.float64, device=self._device)
             vote[0] = 1
             self._allreduce([vote], dist.ReduceOp.SUM)
         self.close(f"{type(reason).__name__}: {reason}")

@@ -31,7 +31,7 @@ import podrl
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, command_table
 from podrl.trainer.batch import BatchError
-from podrl.trainer.engine import TrainerEngine, never_cancelled
+from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
 from podrl.trainer.weight_publishing import ACKNOWLEDGE_WEIGHTS, PUBLISH_WEIGHTS
@@ -94,11 +94,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err}")
             except TrainNotAllowedError as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            # A replicated step waiting for its quorum gives up when the controller cancels
-            # the call (a peer pod of the step was lost: docs/scaling.md).
-            self._engine.train_cancelled = lambda: not context.is_active()
             try:
-                payloads = self._loop.run(command_table.TRAIN, request.SerializeToString())
+                # A replicated step waiting for its quorum gives up when the controller cancels
+                # the call (a peer pod of the step was lost: docs/scaling.md).
+                payloads = self._loop.run(
+                    command_table.TRAIN,
+                    request.SerializeToString(),
+                    cancelled=lambda: not context.is_active(),
+                )
             except RankCommandError as err:
                 log.error("%s", err)
                 if err.kind == trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST:
@@ -107,16 +110,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                         grpc.StatusCode.INVALID_ARGUMENT, f"TrainRequest.{err.first_message}"
                     )
                 context.abort(_STATUS[err.kind], str(err))
-            finally:
-                self._engine.train_cancelled = never_cancelled
         replies = [trainer_pb2.TrainResponse.FromString(p) for p in payloads]
         reply = replies[0]
-        # A guard, not a path the step is known to take: ranks must end at one step/version.
-        positions = [(r.step, r.policy_version) for r in replies]
-        if len(set(positions)) > 1:
+        # A guard, not a path the step is known to take: ranks must end at one version.
+        versions = [r.policy_version for r in replies]
+        if len(set(versions)) > 1:
             detail = ", ".join(
-                f"rank {rank} at step {step} version {version}"
-                for rank, (step, version) in enumerate(positions)
+                f"rank {rank} at version {version}" for rank, version in enumerate(versions)
             )
             log.error("trainer ranks disagree after Train: %s", detail)
             context.abort(
@@ -126,8 +126,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
         m = reply.metrics
         log.info(
-            "step %d (version %d): loss %.5f kl %.5f entropy %.4f grad_norm %.4f tokens %d",
-            reply.step,
+            "version %d: loss %.5f kl %.5f entropy %.4f grad_norm %.4f tokens %d",
             reply.policy_version,
             m.loss,
             m.kl,
@@ -148,7 +147,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             path = (
                 Path(request.path)
                 if request.path
-                else directory / checkpoint.step_folder_name(self._engine.step)
+                else directory / checkpoint.step_folder_name(self._engine.policy_version)
             ).absolute()
             resolved = trainer_pb2.SaveCheckpointRequest(
                 path=str(path), controller_state=request.controller_state
@@ -239,7 +238,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             ),
             model=str(engine.model_path),
             policy_version=engine.policy_version,
-            step=engine.step,
+            step=engine.policy_version,  # the trainer counts one number
             world_size=engine.env.world_size,
             mesh=trainer_pb2.MeshInfo(
                 shape=list(engine.mesh.shape),
