@@ -27,6 +27,8 @@ from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from podrl.trainer.checkpoint import STATE_FILE, is_checkpoint
+
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt")
 GENERATION_CONFIG = "generation_config.json"
 
@@ -76,8 +78,6 @@ def export_hf(model: nn.Module, source: Path, out: Path, rank: int) -> list[str]
 
 def checkpoint_model_path(checkpoint: Path) -> Path:
     """The model folder the checkpoint's trainer started from (its ``trainer_state.json``)."""
-    from podrl.trainer.checkpoint import STATE_FILE
-
     state_file = checkpoint / STATE_FILE
     try:
         state = json.loads(state_file.read_text())
@@ -100,8 +100,6 @@ def export_checkpoint(
     ``on_stage`` hears "model", "checkpoint" and "write" as each begins."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from podrl.trainer.checkpoint import is_checkpoint
 
     if not is_checkpoint(checkpoint):
         raise ExportError(
