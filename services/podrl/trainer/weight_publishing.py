@@ -94,7 +94,8 @@ class WeightPublishing:
             )
 
     def publish(self, payload: bytes) -> bytes:
-        """Every rank: prepare this rank's shards; rank 0 returns the PublishWeightsResponse."""
+        """Every rank: start the version on this rank's shards; rank 0 assembles (update) and
+        returns the PublishWeightsResponse."""
         request = trainer_pb2.PublishWeightsRequest.FromString(payload)
         version = self.engine.policy_version
         # A forward without backward (e.g. logits for a check) leaves FSDP2's root unsharded,

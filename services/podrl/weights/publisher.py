@@ -18,7 +18,7 @@ A full manifest goes out the first time and whenever the storage fingerprint cha
 ``force_full``); afterwards a manifest carries only the version ("the storage you mapped now
 holds version v").
 
-Weights holding NaN or infinity are never published: :meth:`WeightPublisher.prepare` refuses
+Weights holding NaN or infinity are never published: :meth:`WeightPublisher.start` refuses
 them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
 agrees on that first (``podrl.trainer.weight_publishing``). The assembler signs every manifest
 with the pod's weights key (``podrl.weights.keys``).
