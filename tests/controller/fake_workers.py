@@ -27,8 +27,8 @@ from typing import Any
 
 import grpc
 
-from podrl.controller.checkpoint_files import STATE_FILE
-from podrl.controller.roster import Pod
+from podrl.controller.pods.roster import Pod
+from podrl.controller.records.checkpoint_files import STATE_FILE
 from podrl.v1 import (
     common_pb2,
     generator_pb2,

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 import uvicorn
 
 from podrl.common.processes import free_port
-from podrl.controller.rest import build_rest_app
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 
 
 @contextmanager

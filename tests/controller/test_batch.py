@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from podrl.controller.batch import (
+from podrl.controller.step.batch import (
     StepSamples,
     TrainBatch,
     build_batch,
@@ -170,7 +170,7 @@ def test_a_sample_spanning_versions_is_judged_by_its_oldest() -> None:
     with max_staleness 1 it is 2 versions old, so dropped; the one from 6 to 7 is kept and
     its samples counted as spanning versions. A generator without in-flight applies leaves
     last_policy_version 0: read as policy_version."""
-    from podrl.controller.batch import last_version, split_stale
+    from podrl.controller.step.batch import last_version, split_stale
 
     data = _step({"old": [(1.0, 0), (0.0, 0)], "mid": [(1.0, 0), (0.0, 0)], "one": [(1.0, 0)]})
     for pid, (first, last) in {"old": (5, 7), "mid": (6, 7), "one": (7, 0)}.items():

@@ -35,7 +35,7 @@ from rich.console import Console
 from podrl.cli.local_cluster import LocalCluster
 from podrl.cli.run_progress import fetch_all_steps, follow_run
 from podrl.config import load_config
-from podrl.controller.recorder import SAMPLE_FIGURES, TRAIN_METRICS
+from podrl.controller.records.recorder import SAMPLE_FIGURES, TRAIN_METRICS
 from podrl.models.tiny import make_tiny_model
 from podrl.trainer.warm_start import warm_start
 from tests.controller.chaos_reward import raises_on

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from podrl.controller.clients import fan_out
+from podrl.controller.pods.clients import fan_out
 
 
 def test_on_the_first_failure_fan_out_returns_only_when_no_call_is_running() -> None:

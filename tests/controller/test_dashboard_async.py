@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from podrl.controller import loop_metrics
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.run_store import RunStore, StepRecord
-from podrl.controller.status import RolloutView, RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RolloutView, RunState
 from tests.controller.rest_server import served_rest_app
 from tests.harness.chromium import chromium, needs_chromium
 

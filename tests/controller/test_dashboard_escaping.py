@@ -15,10 +15,10 @@ import pytest
 import uvicorn
 
 from podrl.common.processes import free_ports
-from podrl.controller.membership import MemberRegistry, MemberView
-from podrl.controller.rest import build_rest_app
-from podrl.controller.run_store import RunStore, StepRecord
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry, MemberView
+from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 from tests.harness.chromium import chromium, needs_chromium
 
 pytestmark = needs_chromium

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from podrl.controller.evaluation import EVALS_KEY
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.evaluation import EVALS_KEY
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
 from tests.harness.chromium import chromium, needs_chromium
 

@@ -15,12 +15,12 @@ from prometheus_client import REGISTRY
 
 import tests.controller.test_loop_fake_pod as fake_pod_loop
 from podrl.config import RunConfig
-from podrl.controller.batch import StepSamples, sample_id
-from podrl.controller.evaluation import EVALS_KEY, greedy_sampling, score_evaluation
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.evaluation import EVALS_KEY, greedy_sampling, score_evaluation
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
+from podrl.controller.step.batch import StepSamples, sample_id
 from podrl.tasks import PromptItem
 from podrl.v1 import common_pb2, generator_pb2, grader_pb2, trainer_pb2
 from tests.controller.fake_workers import FakeGenerator, FakePod, FakeTrainer

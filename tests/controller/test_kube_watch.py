@@ -26,7 +26,7 @@ import pytest
 from kubernetes import client
 
 from podrl.config.loading import ConfigError
-from podrl.controller.kube_watch import (
+from podrl.controller.pods.kube_watch import (
     KUBERNETES_ACCESS,
     USER_AGENT,
     Backoff,
@@ -36,7 +36,7 @@ from podrl.controller.kube_watch import (
     _pod_state,
     parse_selector,
 )
-from podrl.controller.scaling import (
+from podrl.controller.pods.scaling import (
     KubernetesScaler,
     LocalScaler,
     ReplicaScaler,

@@ -23,10 +23,10 @@ import uvicorn
 
 from podrl.cli.local_cluster import Child, ChildExitedError, LocalCluster, pod_name
 from podrl.config import RunConfig
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.scaling import LocalScaler
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 
 #: Stands for a service: runs until SIGTERM, then drains for a moment and exits 0. It touches
 #: the file named by its argument once its handler is in place (a SIGTERM before that kills it,

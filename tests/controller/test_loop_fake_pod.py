@@ -20,11 +20,11 @@ from prometheus_client import REGISTRY
 from podrl.common.processes import free_port
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
-from podrl.controller.clients import WorkerClients
-from podrl.controller.loop import GrpoLoop
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState
+from podrl.controller.step.loop import GrpoLoop
 from podrl.grader.main import build_spec as build_grader
 from podrl.tasks import build_task_source
 from podrl.v1 import common_pb2, controller_pb2

@@ -15,9 +15,9 @@ from podrl.common.processes import free_ports
 from podrl.common.service import ServiceProcess, ServiceSpec
 from podrl.config import RunConfig
 from podrl.config.transport import GrpcConfig
-from podrl.controller.membership import MemberRegistry, RegistryFullError
-from podrl.controller.servicer import ControllerServicer
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry, RegistryFullError
+from podrl.controller.service.servicer import ControllerServicer
+from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2, controller_pb2_grpc
 from tests.foundation.run_secret import credentials
 

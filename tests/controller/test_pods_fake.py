@@ -20,12 +20,12 @@ import pytest
 
 from podrl.common.processes import free_port
 from podrl.common.service import ServiceProcess
-from podrl.controller.clients import WorkerClients
-from podrl.controller.loop import GrpoLoop
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.roster import PodRoster
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import PodRoster
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState
+from podrl.controller.step.loop import GrpoLoop
 from podrl.grader.main import build_spec as build_grader
 from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.scaling import LocalScaler
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.service.status import RunState
 from tests.controller.test_scaling_rest import (  # noqa: F401 (serve is a fixture)
     Serve,
     operator_headers,

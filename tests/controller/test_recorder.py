@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from podrl.config import RunConfig
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.recorder import TRAIN_METRICS, StepRecorder
-from podrl.controller.resume import RecoveredStep
-from podrl.controller.run_store import RunStore, StepRecord
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.recorder import TRAIN_METRICS, StepRecorder
+from podrl.controller.records.resume import RecoveredStep
+from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.service.status import RunState
 from podrl.v1 import trainer_pb2
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from podrl.config import RunConfig
-from podrl.controller.batch import StepSamples, TrainBatch
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.recorder import StepRecorder
-from podrl.controller.resume import RecoveredStep
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
-from podrl.controller.train_phase import TrainOutcome
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.recorder import StepRecorder
+from podrl.controller.records.resume import RecoveredStep
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState
+from podrl.controller.step.batch import StepSamples, TrainBatch
+from podrl.controller.step.train_phase import TrainOutcome
 from podrl.v1 import trainer_pb2
 
 # What a trainer answers: with kl_coef 0 its kl is the proto default, 0.0.

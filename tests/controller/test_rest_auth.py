@@ -23,10 +23,10 @@ from podrl.cli.main import main as podrl
 from podrl.common.auth import CONTROLLER, OPERATOR, REST_ROLES, RunSecret
 from podrl.config import load_config
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.scaling import LocalScaler
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 from tests.controller.test_local_pods import StandInCluster
 from tests.controller.test_scaling_rest import (  # noqa: F401 (serve is a fixture)
     MAX,
@@ -61,7 +61,7 @@ def test_without_a_token_a_put_is_401_naming_the_fix_and_changes_nothing(
     scaled: tuple[str, LocalScaler], caplog: pytest.LogCaptureFixture
 ) -> None:
     url, scaler = scaled
-    with caplog.at_level(logging.WARNING, logger="podrl.controller.rest"):
+    with caplog.at_level(logging.WARNING, logger="podrl.controller.service.rest"):
         reply = _put(url)
     assert reply.status_code == 401
     assert reply.headers["www-authenticate"].startswith("Bearer")

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from podrl.cli.run_progress import fetch_all_steps
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.run_store import RunStore, StepRecord
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
 
 STEPS = 10_005

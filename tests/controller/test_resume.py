@@ -1,4 +1,4 @@
-"""Where a restarted controller continues (controller/resume.py): every branch, on a real
+"""Where a restarted controller continues (controller/records/resume.py): every branch, on a real
 SQLite run store, plus a run whose database was lost and one past 10,000 steps."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from podrl.config.tasks import TasksConfig
-from podrl.controller.checkpoint_files import STATE_FILE, newest_checkpoint
-from podrl.controller.resume import (
+from podrl.controller.records.checkpoint_files import STATE_FILE, newest_checkpoint
+from podrl.controller.records.resume import (
     ControllerState,
     ResumeError,
     TrainerState,
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.run_store import PendingStep, RunStore, StepRecord
+from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
 from podrl.tasks import build_task_source
 from podrl.v1 import trainer_pb2
 

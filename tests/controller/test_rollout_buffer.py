@@ -1,5 +1,5 @@
 """The rollout buffer's parts without any service: the bound, the producer's order and
-retries, and the generator gate (services/podrl/controller/rollout_buffer.py)."""
+retries, and the generator gate (services/podrl/controller/rollout/producer.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from podrl.controller.batch import StepSamples
-from podrl.controller.rollout_buffer import (
+from podrl.controller.rollout.producer import (
     GeneratorGate,
     RolloutProducer,
     ScoredBatch,
     buffer_capacity_steps,
     may_start,
 )
+from podrl.controller.step.batch import StepSamples
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 
 

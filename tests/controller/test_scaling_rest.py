@@ -21,12 +21,12 @@ from podrl.cli.main import main as podrl
 from podrl.common.auth import OPERATOR, RunSecret, load_run_secret
 from podrl.common.processes import free_port
 from podrl.config.auth import AuthConfig
-from podrl.controller.kube_watch import KubeWatch
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.roster import PodRoster
-from podrl.controller.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
-from podrl.controller.status import RunState
+from podrl.controller.pods.kube_watch import KubeWatch
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2
 from tests.controller.kube_api import ApiServer
 from tests.controller.test_kube_watch import (

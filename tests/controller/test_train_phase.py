@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from podrl.config.transport import GrpcConfig
-from podrl.controller.clients import WorkerClients
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.step.train_phase import TrainPhase, Verdict, judge_train_failure
 from podrl.controller.step_errors import RunFailedError, StepFailedError
-from podrl.controller.train_phase import TrainPhase, Verdict, judge_train_failure
 from podrl.v1 import trainer_pb2
 from tests.controller.fake_workers import FakePod, FakeReplicaGroup, TrainFault
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from podrl.config.transport import GrpcConfig
-from podrl.controller.clients import WorkerClients
-from podrl.controller.weight_sync import WeightSync
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.step.weight_sync import WeightSync
 from tests.controller.fake_workers import FakePod
 
 

@@ -26,9 +26,9 @@ from podrl.common.service import ServiceProcess, ServiceSpec
 from podrl.config import ConfigError, RunConfig
 from podrl.config.auth import AuthConfig
 from podrl.config.transport import GrpcConfig
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.servicer import ControllerServicer
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.service.servicer import ControllerServicer
+from podrl.controller.service.status import RunState
 from podrl.v1 import (
     common_pb2,
     controller_pb2,

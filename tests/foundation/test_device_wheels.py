@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The modules each service process (and `podrl run`, the Lighthouse) imports before it serves.
 ENTRY_MODULES = (
     "podrl.cli.main",
-    "podrl.controller.main",
+    "podrl.controller.service.main",
     "podrl.grader.main",
     "podrl.trainer.main",
     "podrl.trainer.lighthouse",

@@ -37,7 +37,7 @@ def test_controller_and_grader_import_without_torch_or_vllm() -> None:
         "import sys\n"
         "for name in ('torch', 'vllm', 'transformers'):\n"
         "    sys.modules[name] = None\n"
-        "import podrl.controller.main, podrl.grader.main, podrl.cli.main\n"
+        "import podrl.controller.service.main, podrl.grader.main, podrl.cli.main\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

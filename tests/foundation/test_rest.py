@@ -6,9 +6,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.local_cluster import LocalCluster
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.status import RunState
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from podrl.common.service import worker_spec
 from podrl.config import RunConfig, load_config
-from podrl.controller.main import build_spec
+from podrl.controller.service.main import build_spec
 from podrl.tools.render_k8s import helm_lint
 from tests.k8s.manifests import (
     GPU_CONTAINERS,

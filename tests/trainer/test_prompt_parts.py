@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from podrl.config import ConfigError, RunConfig, load_config
-from podrl.controller.evaluation import Evaluator
+from podrl.controller.records.evaluation import Evaluator
 from podrl.tasks import build_task_source
 from podrl.tasks.split import part_of
 from podrl.trainer.warm_start import warm_start_source

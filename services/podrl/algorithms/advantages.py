@@ -15,7 +15,7 @@ DAPO's "dynamic sampling": DAPO also samples more prompts until the batch is ful
 podrl does not do.
 
 The rewards given here must be real ones: the controller leaves samples whose scoring failed
-out before calling this (``podrl.controller.batch``).
+out before calling this (``podrl.controller.step.batch``).
 """
 
 from __future__ import annotations

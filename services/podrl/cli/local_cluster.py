@@ -37,7 +37,7 @@ from podrl.common.auth import CallerCredentials
 from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
-from podrl.controller.scaling import LocalScaler
+from podrl.controller.pods.scaling import LocalScaler
 from podrl.generator.engine_processes import reap_dead_engine_segments, reap_dead_socket_dirs
 from podrl.models.folders import check_model_folders
 

@@ -72,7 +72,7 @@ _STAGES = {
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The checkpoint of trainer step ``step`` under ``<run_dir>/checkpoints`` (default: the
     newest); ValueError naming what exists otherwise."""
-    from podrl.controller.checkpoint_files import newest_checkpoint
+    from podrl.controller.records.checkpoint_files import newest_checkpoint
 
     folder = run_dir / "checkpoints"
     if step is None:

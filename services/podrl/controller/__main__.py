@@ -1,3 +1,3 @@
-from podrl.controller.main import main
+from podrl.controller.service.main import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ import logging
 import grpc
 
 from podrl.common.auth import CONTROLLER, current_caller, worker_id_problem
-from podrl.controller.membership import (
+from podrl.controller.pods.membership import (
     COMPONENT_NAMES,
     STATE_NAMES,
     RegistrationError,
@@ -21,7 +21,7 @@ from podrl.controller.membership import (
     WorkerIdTakenError,
     incarnation_problem,
 )
-from podrl.controller.status import RunState, status_to_proto
+from podrl.controller.service.status import RunState, status_to_proto
 from podrl.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ through a :class:`ReplicaScaler`:
 
 - :class:`KubernetesScaler` (in a cluster): patches ``statefulsets/scale`` of the worker
   StatefulSet, exactly what ``kubectl scale`` does; the StatefulSet controller then starts
-  or stops pods, and :class:`podrl.controller.kube_watch.KubeWatch` sees them.
+  or stops pods, and :class:`podrl.controller.pods.kube_watch.KubeWatch` sees them.
 - :class:`LocalScaler` (``podrl up`` / ``podrl run``): keeps the desired count and tells the
   local launcher, which reconciles its pod process groups to it. The launcher, the REST
   endpoint and the CLI are not wired to it yet.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    from podrl.controller.kube_watch import KubeWatchConfig
+    from podrl.controller.pods.kube_watch import KubeWatchConfig
 
 log = logging.getLogger(__name__)
 

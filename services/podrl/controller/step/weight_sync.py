@@ -29,8 +29,8 @@ from contextlib import AbstractContextManager, nullcontext
 import grpc
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.clients import WorkerClients
-from podrl.controller.roster import Pod
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.roster import Pod
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.v1 import common_pb2, generator_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 

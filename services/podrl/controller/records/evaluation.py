@@ -42,9 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from podrl.config import ConfigError, RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.config.tasks import TasksConfig
-from podrl.controller.batch import StepSamples, is_valid
-from podrl.controller.run_outputs import SampleLog
-from podrl.controller.run_store import RunStore
+from podrl.controller.records.run_outputs import SampleLog
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.step.batch import StepSamples, is_valid
 from podrl.controller.step_errors import StepFailedError
 from podrl.tasks import PromptItem, build_task_source
 from podrl.v1 import common_pb2, grader_pb2

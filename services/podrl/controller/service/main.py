@@ -12,16 +12,16 @@ import uvicorn
 from podrl.common.auth import CONTROLLER, CallerCredentials, load_run_secret
 from podrl.common.service import ServiceSpec, port_in_use_error, serve
 from podrl.config import RunConfig
-from podrl.controller.clients import WorkerClients
-from podrl.controller.kube_watch import KubeWatch, KubeWatchConfig
-from podrl.controller.loop import GrpoLoop
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.rest import build_rest_app
-from podrl.controller.roster import PodRoster
-from podrl.controller.run_store import RunStore
-from podrl.controller.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
-from podrl.controller.servicer import ControllerServicer
-from podrl.controller.status import RunState
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.kube_watch import KubeWatch, KubeWatchConfig
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.rest import build_rest_app
+from podrl.controller.service.servicer import ControllerServicer
+from podrl.controller.service.status import RunState
+from podrl.controller.step.loop import GrpoLoop
 from podrl.tasks import build_task_source
 from podrl.tasks.prompt_bounds import check_prompts_fit
 from podrl.v1 import controller_pb2_grpc

@@ -15,18 +15,18 @@ from typing import Any
 import grpc
 
 from podrl.config import RunConfig
-from podrl.controller.checkpoint_files import checkpoint_folder, newest_checkpoint
-from podrl.controller.clients import WorkerClients
-from podrl.controller.recorder import StepRecorder
-from podrl.controller.resume import (
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
+from podrl.controller.records.recorder import StepRecorder
+from podrl.controller.records.resume import (
     ControllerState,
     TrainerState,
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.run_store import RunStore
-from podrl.controller.status import RunState
-from podrl.controller.step_boundary import StepBoundary
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState
+from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.tasks import TaskSource
 from podrl.v1 import trainer_pb2

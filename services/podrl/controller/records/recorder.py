@@ -15,15 +15,15 @@ from typing import Any
 
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.batch import StepSamples, TrainBatch, is_valid, last_version, sample_id
-from podrl.controller.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
-from podrl.controller.resume import RecoveredStep
-from podrl.controller.roster import pod_order
-from podrl.controller.run_outputs import SampleLog, write_summary
-from podrl.controller.run_store import RunStore, StepRecord
-from podrl.controller.status import RunState
-from podrl.controller.tracking import Tracker
-from podrl.controller.train_phase import TrainOutcome
+from podrl.controller.pods.roster import pod_order
+from podrl.controller.records.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
+from podrl.controller.records.resume import RecoveredStep
+from podrl.controller.records.run_outputs import SampleLog, write_summary
+from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.tracking import Tracker
+from podrl.controller.service.status import RunState
+from podrl.controller.step.batch import StepSamples, TrainBatch, is_valid, last_version, sample_id
+from podrl.controller.step.train_phase import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
 #: TrainMetrics fields copied into a trained step's record.
@@ -189,8 +189,8 @@ class StepRecorder:
         return record
 
     def record_eval(self, evaluation: dict[str, Any]) -> None:
-        """An evaluation (podrl.controller.evaluation): the run store (replacing one recorded
-        after the same step), status, /metrics, the tracking writers."""
+        """An evaluation (podrl.controller.records.evaluation): the run store (replacing one
+        recorded after the same step), status, /metrics, the tracking writers."""
         evaluations = [e for e in stored_evaluations(self.store) if e["step"] != evaluation["step"]]
         evaluations.append(evaluation)
         evaluations.sort(key=lambda e: e["step"])
@@ -258,8 +258,8 @@ class StepRecorder:
                 "wall_seconds": round(time.monotonic() - self._started, 2),
                 "phase": self.state.phase,
                 "error": self.state.error,
-                # Held-out evaluation (podrl.controller.evaluation): the first and the last one
-                # with figures, and every one in order.
+                # Held-out evaluation (podrl.controller.records.evaluation): the first and the last
+                # one with figures, and every one in order.
                 "initial_eval": initial_eval,
                 "final_eval": final_eval,
                 "eval_accuracy_gain": final_eval["accuracy"] - initial_eval["accuracy"]

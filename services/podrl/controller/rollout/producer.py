@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.batch import StepSamples
+from podrl.controller.step.batch import StepSamples
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from podrl.controller.run_store import PendingStep, StepRecord
+from podrl.controller.records.run_store import PendingStep, StepRecord
 from podrl.controller.step_errors import RunFailedError
 from podrl.v1 import trainer_pb2
 

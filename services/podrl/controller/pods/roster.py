@@ -19,7 +19,7 @@ the one before (a pod admitted or dropped, or one of a pod's processes restarted
 worker id). Each step record names the epoch it was trained in and the pods that trained it.
 
 Outside a cluster the same decisions run on membership alone; in a cluster ``terminating``
-comes from :class:`podrl.controller.kube_watch.ClusterView`.
+comes from :class:`podrl.controller.pods.kube_watch.ClusterView`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.membership import MemberRegistry
+from podrl.controller.pods.membership import MemberRegistry
 from podrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from podrl.controller.membership import MemberRegistry
+from podrl.controller.pods.membership import MemberRegistry
 
 if TYPE_CHECKING:
-    from podrl.controller.roster import PodRoster
+    from podrl.controller.pods.roster import PodRoster
 from podrl.v1 import controller_pb2
 
 _COMPONENT_BY_NAME = {"generator": 1, "grader": 2, "trainer": 3}

@@ -3,7 +3,7 @@ StatefulSet and of its pods, through the official ``kubernetes`` client.
 
 Membership (registration and heartbeats) says which services run; only the API server says
 how many worker pods are *wanted* (the StatefulSet's ``spec.replicas``, which ``kubectl scale``
-and :class:`podrl.controller.scaling.KubernetesScaler` change) and which pods are going away
+and :class:`podrl.controller.pods.scaling.KubernetesScaler` change) and which pods are going away
 (a deletion timestamp is set the moment a pod is asked to stop, before its services drain or
 their heartbeats stop).
 

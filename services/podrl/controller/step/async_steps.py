@@ -20,24 +20,24 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.batch import (
-    StepSamples,
-    check_score_errors,
-    split_stale,
-    with_stale_figures,
-)
-from podrl.controller.rollout_buffer import (
+from podrl.controller.records.run_store import StepRecord
+from podrl.controller.rollout.producer import (
     GeneratorGate,
     RolloutProducer,
     ScoredBatch,
     buffer_capacity_steps,
 )
-from podrl.controller.run_store import StepRecord
-from podrl.controller.status import RolloutView
+from podrl.controller.service.status import RolloutView
+from podrl.controller.step.batch import (
+    StepSamples,
+    check_score_errors,
+    split_stale,
+    with_stale_figures,
+)
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 
 if TYPE_CHECKING:
-    from podrl.controller.loop import GrpoLoop
+    from podrl.controller.step.loop import GrpoLoop
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 import podrl
 from podrl.common.auth import REST_CHANGE_ROLES, Caller, RunSecret
-from podrl.controller.evaluation import EvalView, stored_evaluations
-from podrl.controller.run_store import RunStore
-from podrl.controller.scaling import ReplicaScaler, ScaleError
-from podrl.controller.status import RunState, RunStatusView, StepView, WorkerView
+from podrl.controller.pods.scaling import ReplicaScaler, ScaleError
+from podrl.controller.records.evaluation import EvalView, stored_evaluations
+from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.status import RunState, RunStatusView, StepView, WorkerView
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,16 @@ from podrl.common import faults
 from podrl.config import RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.async_steps import AsyncSteps
-from podrl.controller.batch import (
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.roster import PodRoster
+from podrl.controller.records.checkpointing import RunCheckpoints
+from podrl.controller.records.evaluation import Evaluator, RunPhases
+from podrl.controller.records.recorder import StepRecorder
+from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
+from podrl.controller.rollout.producer import GeneratorGate
+from podrl.controller.service.status import RunState
+from podrl.controller.step.async_steps import AsyncSteps
+from podrl.controller.step.batch import (
     StepSamples,
     TrainBatch,
     build_batch,
@@ -54,23 +62,15 @@ from podrl.controller.batch import (
     split_batch,
     train_request,
 )
-from podrl.controller.checkpointing import RunCheckpoints
-from podrl.controller.clients import WorkerClients
-from podrl.controller.evaluation import Evaluator, RunPhases
-from podrl.controller.phases import WorkerPhases
-from podrl.controller.recorder import StepRecorder
-from podrl.controller.rollout_buffer import GeneratorGate
-from podrl.controller.roster import PodRoster
-from podrl.controller.run_store import PendingStep, RunStore, StepRecord
-from podrl.controller.status import RunState
-from podrl.controller.step_boundary import StepBoundary
+from podrl.controller.step.boundary import StepBoundary
+from podrl.controller.step.phases import WorkerPhases
+from podrl.controller.step.train_phase import TrainOutcome, TrainPhase
+from podrl.controller.step.weight_sync import WeightSync
 from podrl.controller.step_errors import (
     RunFailedError,
     StepFailedError,
     describe_rpc_error,
 )
-from podrl.controller.train_phase import TrainOutcome, TrainPhase
-from podrl.controller.weight_sync import WeightSync
 from podrl.tasks import TaskSource
 from podrl.v1 import trainer_pb2
 

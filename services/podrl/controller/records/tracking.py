@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from podrl.config import ConfigError, RunConfig
-from podrl.controller.run_store import StepRecord
+from podrl.controller.records.run_store import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def step_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def eval_scalars(evaluation: Mapping[str, Any]) -> dict[str, float]:
-    """The scalars of one evaluation record (podrl.controller.evaluation)."""
+    """The scalars of one evaluation record (podrl.controller.records.evaluation)."""
     out: dict[str, float | None] = {
         "eval/accuracy": _number(evaluation.get("accuracy")),
         "eval/reward_mean": _number(evaluation.get("reward_mean")),

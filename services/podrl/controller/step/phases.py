@@ -18,10 +18,10 @@ from typing import TypeVar
 import grpc
 
 from podrl.config.loop import SamplingConfig
-from podrl.controller.batch import StepSamples, sample_id
-from podrl.controller.clients import WorkerClients
-from podrl.controller.membership import MemberRegistry
-from podrl.controller.roster import Pod, PodRoster
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import Pod, PodRoster
+from podrl.controller.step.batch import StepSamples, sample_id
 from podrl.controller.step_errors import TRANSPORT_FAILURES, StepFailedError, describe_rpc_error
 from podrl.grader.requests import build_score_item
 from podrl.tasks import PromptItem
@@ -209,7 +209,7 @@ class WorkerPhases:
     # -- score -------------------------------------------------------------------------------
     def score(self, data: StepSamples, pods: list[Pod]) -> None:
         """A score for every sample into ``data.scores`` (a failed score is still a score: its
-        ``error`` says so, and ``podrl.controller.batch`` leaves it out of training). Each pod
+        ``error`` says so, and ``podrl.controller.step.batch`` leaves it out of training). Each pod
         scores the samples it generated; those of a pod gone since are spread over the rest."""
         pods = self._check_pods(pods)
         if not pods:

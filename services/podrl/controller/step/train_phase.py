@@ -31,7 +31,7 @@ decides:
 - any other version → the run fails.
 
 After ``attempts`` sends with the outcome still unknown the run fails; the step in flight stays
-in SQLite and a restart resolves it (``podrl.controller.resume``).
+in SQLite and a restart resolves it (``podrl.controller.records.resume``).
 
 With several pods, a pod lost mid-step (its trainer answers neither Train nor Info, or
 restarted) has the other pods' calls cancelled: a trainer waiting for it in the step's quorum
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from podrl.controller.clients import WorkerClients
+from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.step_errors import (
     TRANSPORT_FAILURES,
     RunFailedError,

@@ -1,0 +1,2 @@
+"""One training step: the loop, its phases (generate, score, batch, train, weight sync), its
+boundary."""
