@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TypeVar
 
 import grpc
 
@@ -13,27 +10,6 @@ from podrl.common.auth import CallerCredentials
 from podrl.common.grpc_options import open_channel
 from podrl.config.transport import GrpcConfig
 from podrl.v1 import generator_pb2_grpc, grader_pb2_grpc, trainer_pb2_grpc
-
-T = TypeVar("T")
-
-
-def fan_out(pool: ThreadPoolExecutor, calls: list[Callable[[], T]]) -> list[T]:
-    """Run ``calls`` concurrently on ``pool``; their results in order.
-
-    On the first failure, calls that have not started are cancelled and the ones already
-    running are waited for (each RPC has its own deadline), then that first error is raised.
-    So when fan_out returns or raises, none of its calls is still running: a retry never
-    overlaps the call it retries (e.g. two ApplyWeights to the same generator).
-    """
-    futures = [pool.submit(call) for call in calls]
-    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    failed = [f for f in futures if f in done and f.exception() is not None]
-    if not failed:
-        return [future.result() for future in futures]
-    for future in futures:
-        future.cancel()  # only those not started yet; running ones cannot be cancelled
-    wait(futures)
-    raise failed[0].exception()  # type: ignore[misc]
 
 
 class WorkerClients:

@@ -43,8 +43,8 @@ def split_round_robin(items: Sequence[T], parts: int) -> list[list[T]]:
 
 def settle(pool: ThreadPoolExecutor, calls: list[Callable[[], T]]) -> list[T | BaseException]:
     """Run ``calls`` concurrently and wait for every one: its result or what it raised, in
-    order. Unlike ``fan_out`` nothing is cancelled: a pod's reply is kept even when another
-    pod's call failed."""
+    order. Nothing is cancelled: a pod's reply is kept even when another pod's call failed, and
+    no call is still running when it returns (a retry never overlaps the call it retries)."""
     futures = [pool.submit(call) for call in calls]
     wait(futures)
     return [f.exception() if f.exception() is not None else f.result() for f in futures]
