@@ -30,6 +30,10 @@ def _batch(step: int, error: StepFailedError | None = None) -> ScoredBatch:
     return ScoredBatch(step, StepSamples(items=[]), {"at": step - 1}, {"at": step}, error=error)
 
 
+def _scored(batch: ScoredBatch) -> None:
+    """A score phase with nothing to score (these batches have no samples)."""
+
+
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
 def test_the_producer_makes_steps_in_order_never_beyond_the_bound(max_staleness: int) -> None:
     started: list[tuple[int, int]] = []  # (step, steps done when its batch started)
@@ -39,7 +43,9 @@ def test_the_producer_makes_steps_in_order_never_beyond_the_bound(max_staleness:
         started.append((step, done["n"]))
         return _batch(step)
 
-    producer = RolloutProducer(produce, max_staleness=max_staleness, last_step=8, stopped=bool)
+    producer = RolloutProducer(
+        produce, _scored, max_staleness=max_staleness, last_step=8, stopped=bool
+    )
     producer.start(1)
     try:
         for step in range(1, 9):
@@ -68,7 +74,7 @@ def test_a_failed_batch_is_handed_over_and_made_again_only_when_asked() -> None:
             return ScoredBatch(step, failed.data, failed.position_before, failed.position_after)
         return _batch(step)
 
-    producer = RolloutProducer(produce, max_staleness=2, last_step=3, stopped=bool)
+    producer = RolloutProducer(produce, _scored, max_staleness=2, last_step=3, stopped=bool)
     producer.start(1)
     try:
         assert producer.take(1) is not None
@@ -158,14 +164,14 @@ def test_a_producer_that_crashes_fails_the_run_and_a_stop_ends_the_wait() -> Non
     def crash(step: int, failed: ScoredBatch | None) -> ScoredBatch:
         raise RuntimeError("the source broke")
 
-    producer = RolloutProducer(crash, max_staleness=1, last_step=3, stopped=bool)
+    producer = RolloutProducer(crash, _scored, max_staleness=1, last_step=3, stopped=bool)
     producer.start(1)
     with pytest.raises(RunFailedError, match="the source broke"):
         producer.take(1)
     producer.close()
     stop = threading.Event()
     idle = RolloutProducer(
-        lambda s, f: _batch(s), max_staleness=0, last_step=3, stopped=stop.is_set
+        lambda s, f: _batch(s), _scored, max_staleness=0, last_step=3, stopped=stop.is_set
     )
     idle.start(1)
     assert idle.take(1) is not None

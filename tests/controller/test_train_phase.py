@@ -14,7 +14,12 @@ import pytest
 
 from podrl.config.transport import GrpcConfig
 from podrl.controller.pods.clients import WorkerClients
-from podrl.controller.step.train_phase import TrainPhase, Verdict, judge_train_failure
+from podrl.controller.step.train_phase import (
+    TrainOutcome,
+    TrainPhase,
+    Verdict,
+    judge_train_failure,
+)
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 from podrl.v1 import trainer_pb2
 from tests.controller.fake_workers import FakePod, FakeReplicaGroup, TrainFault
@@ -67,6 +72,15 @@ def test_judge_train_failure(
     assert judge_train_failure(code, "details", _request(), info).verdict is verdict
 
 
+def _train(phase: TrainPhase, pod: FakePod, request: trainer_pb2.TrainRequest) -> TrainOutcome:
+    """One pod, one request, as the loop sends a step to a one-pod roster."""
+    return phase.train_pods(
+        {"local-0": pod.address},
+        request.policy_version,
+        lambda pods, round_no: {"local-0": request},
+    )
+
+
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[FakePod]:
     pod = FakePod(tmp_path / "checkpoints")
@@ -86,7 +100,7 @@ def test_a_reply_lost_while_the_trainer_computes_is_resent_and_applied_once(
     pod: FakePod, phase: TrainPhase
 ) -> None:
     pod.trainer.faults = [TrainFault(delay_before_apply=DEADLINE * 3)]
-    outcome = phase.train(pod.address, _request())
+    outcome = _train(phase, pod, _request())
     # The same batch was sent again (not a regenerated one), and trained once.
     assert outcome.sends >= 2
     assert pod.trainer.received == ["run:abc:4:1"] * outcome.sends
@@ -101,7 +115,7 @@ def test_a_trainer_without_batch_ids_gives_an_applied_step_with_unknown_metrics(
 ) -> None:
     pod.trainer.keeps_batch_ids = False
     pod.trainer.faults = [TrainFault(delay_before_apply=DEADLINE * 3)]
-    outcome = phase.train(pod.address, _request())
+    outcome = _train(phase, pod, _request())
     assert len(pod.trainer.applied) == 1  # the re-send was refused for its version
     assert outcome.reply.policy_version == 4
     assert not outcome.metrics_known
@@ -111,7 +125,7 @@ def test_an_update_followed_by_an_error_is_recorded_from_the_trainers_stored_rep
     pod: FakePod, phase: TrainPhase
 ) -> None:
     pod.trainer.faults = [TrainFault(abort_after_apply=Code.INTERNAL)]
-    outcome = phase.train(pod.address, _request())
+    outcome = _train(phase, pod, _request())
     assert outcome.sends == 1 and outcome.metrics_known
     assert outcome.reply.metrics.loss == pod.trainer.last_train.metrics.loss == 0.5
     assert len(pod.trainer.applied) == 1
@@ -121,7 +135,7 @@ def test_a_reply_lost_after_the_update_is_recorded_from_the_stored_reply(
     pod: FakePod, phase: TrainPhase
 ) -> None:
     pod.trainer.faults = [TrainFault(delay_after_apply=DEADLINE * 3)]
-    outcome = phase.train(pod.address, _request())
+    outcome = _train(phase, pod, _request())
     assert outcome.metrics_known and outcome.reply == pod.trainer.last_train
     assert len(pod.trainer.applied) == 1
 
@@ -131,7 +145,7 @@ def test_a_refused_train_fails_the_attempt_and_trains_nothing(
 ) -> None:
     pod.trainer.faults = [TrainFault(abort_before_apply=Code.INTERNAL)]
     with pytest.raises(StepFailedError) as failed:
-        phase.train(pod.address, _request())
+        _train(phase, pod, _request())
     assert failed.value.phase == "train"
     assert pod.trainer.applied == [] and pod.trainer.version == 3
 
@@ -139,7 +153,7 @@ def test_a_refused_train_fails_the_attempt_and_trains_nothing(
 def test_a_batch_the_trainer_refuses_fails_the_run(pod: FakePod, phase: TrainPhase) -> None:
     pod.trainer.faults = [TrainFault(abort_before_apply=Code.INVALID_ARGUMENT)]
     with pytest.raises(RunFailedError, match="rejected the batch"):
-        phase.train(pod.address, _request())
+        _train(phase, pod, _request())
     assert pod.trainer.applied == []
 
 
@@ -149,7 +163,7 @@ def test_a_trainer_ahead_before_the_first_send_fails_the_run_and_trains_nothing(
     # Without the check, "one version ahead, no batch id" after the refused send would be
     # taken as this batch applied, and its samples recorded for an update they did not make.
     with pytest.raises(RunFailedError, match="at policy version 3 before this step's Train"):
-        phase.train(pod.address, _request(version=2))
+        _train(phase, pod, _request(version=2))
     assert pod.trainer.received == []
 
 
@@ -158,7 +172,7 @@ def test_a_trainer_that_never_answers_fails_the_run_with_the_outcome_unknown(
 ) -> None:
     pod.stop()
     with pytest.raises(RunFailedError, match="outcome still unknown after 3 sends"):
-        phase.train(pod.address, _request())
+        _train(phase, pod, _request())
 
 
 def test_a_version_advanced_by_another_batch_fails_the_run_once_the_sends_are_used_up(
@@ -171,7 +185,7 @@ def test_a_version_advanced_by_another_batch_fails_the_run_once_the_sends_are_us
     pod.trainer.faults = [TrainFault(abort_before_apply=Code.UNAVAILABLE)]
     pod.trainer.on_abort = other_batch_lands
     with pytest.raises(RunFailedError, match="names batch run:zzz:4:1, not this step's"):
-        phase.train(pod.address, _request())
+        _train(phase, pod, _request())
     assert pod.trainer.applied == []
     assert pod.trainer.received == ["run:abc:4:1"] * 3
 

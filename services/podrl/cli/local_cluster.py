@@ -253,10 +253,6 @@ class LocalCluster:
             return self.lighthouse
         return next(c for c in self.children if c.name == name)
 
-    def pod_children(self, ordinal: int) -> dict[str, Child]:
-        with self._lock:
-            return dict(self.pods[ordinal].children)
-
     def _ports_of(self, ordinal: int) -> dict[str, int]:
         with self._lock:
             if ordinal not in self._pod_ports:

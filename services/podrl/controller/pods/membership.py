@@ -292,12 +292,3 @@ class MemberRegistry:
                 for m in self._members.values()
                 if m.component == component and self._healthy(m, now)
             }
-
-    def healthy_addresses(self, component: int) -> list[str]:
-        now = self._clock()
-        with self._lock:
-            return sorted(
-                m.address
-                for m in self._members.values()
-                if m.component == component and self._healthy(m, now)
-            )

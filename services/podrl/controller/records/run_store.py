@@ -130,10 +130,6 @@ class RunStore:
         )
         return found[0] if found else None
 
-    def step_count(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
-
     def measured(self, metric: str, count: int, *, last: bool) -> list[float]:
         """The first (or last) ``count`` measured values of ``metric``, in step order; steps
         where it is unknown (null) or absent are skipped."""

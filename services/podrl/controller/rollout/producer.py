@@ -140,7 +140,7 @@ class RolloutProducer:
     def __init__(
         self,
         generate: Generate,
-        score: Score | None = None,
+        score: Score,
         *,
         max_staleness: int,
         last_step: int,
@@ -171,12 +171,9 @@ class RolloutProducer:
         self._threads = [
             threading.Thread(
                 target=self._generating, args=(first_step,), name="rollout-producer", daemon=True
-            )
+            ),
+            threading.Thread(target=self._scoring_thread, name="rollout-scorer", daemon=True),
         ]
-        if self._score is not None:
-            self._threads.append(
-                threading.Thread(target=self._scoring_thread, name="rollout-scorer", daemon=True)
-            )
         for thread in self._threads:
             thread.start()
 
@@ -284,7 +281,7 @@ class RolloutProducer:
                         job, failed = step, None
                         step += 1
                 batch = self._generate(job, failed)
-                if batch.error is not None or self._score is None:
+                if batch.error is not None:
                     self._put(batch)
                 else:
                     self._scoring.put(batch)
@@ -293,7 +290,6 @@ class RolloutProducer:
 
     def _scoring_thread(self) -> None:
         """Score the generated batches in the order they were generated."""
-        assert self._score is not None
         try:
             while not self._is_stopped():
                 try:

@@ -195,12 +195,6 @@ class TrainPhase:
         except grpc.RpcError:
             return None
 
-    def train(self, address: str, request: trainer_pb2.TrainRequest) -> TrainOutcome:
-        """One trainer, one request: sent until its outcome is known (module docstring)."""
-        return self.train_pods({address: address}, request.policy_version, lambda p, r: {
-            address: request
-        })  # fmt: skip
-
     def train_pods(
         self, trainers: dict[str, str], expected: int, requests_for: RequestsFor
     ) -> TrainOutcome:
