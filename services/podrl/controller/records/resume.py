@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from podrl.controller.records.run_store import PendingStep, StepRecord
+from podrl.controller.step.batch_ids import names_step_batch
 from podrl.controller.step_errors import RunFailedError
 from podrl.v1 import trainer_pb2
 
@@ -110,14 +111,6 @@ class ResumePlan:
     """Record this step first."""
     source: str
     """Where the position comes from: "start", "database", "step_in_flight", "checkpoint"."""
-
-
-def names_step_batch(last_batch_id: str, step_batch_id: str) -> bool:
-    """``last_batch_id`` (a trainer's) is one of the step's batches: the step's id itself, or
-    one pod's batch of any round of it (``<step id>.<round>@<pod>``)."""
-    if not step_batch_id or not last_batch_id:
-        return False
-    return last_batch_id == step_batch_id or last_batch_id.startswith(step_batch_id + ".")
 
 
 def _knows_version(history: StepHistory, pending: PendingStep | None, trainer_version: int) -> bool:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -62,6 +61,7 @@ from podrl.controller.step.batch import (
     split_batch,
     train_request,
 )
+from podrl.controller.step.batch_ids import StepBatchId, process_prefix
 from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.phases import WorkerPhases
 from podrl.controller.step.train_phase import TrainOutcome, TrainPhase
@@ -138,7 +138,7 @@ class GrpoLoop:
         )
         # Batch ids name this controller process too: one restarted never reuses an id that
         # a trainer may still hold as its last applied batch.
-        self._batch_prefix = f"{config.name}:{uuid.uuid4().hex[:8]}"
+        self._batch_prefix = process_prefix(config.name)
         self._producer_stopped = threading.Event()
         self._run_stop = threading.Event()
         self.async_steps = AsyncSteps(self, self.gate) if asynchronous else None
@@ -193,7 +193,8 @@ class GrpoLoop:
         timings: dict[str, float],
     ) -> TrainedStep:
         """Train the step's batch on every pod at once."""
-        batch_id = f"{self._batch_prefix}:{step}:{attempt}"
+        step_batch = StepBatchId(self._batch_prefix, step, attempt)
+        batch_id = str(step_batch)
         if not batch.sequences:
             return TrainedStep(batch, batch_id, None, self.roster.epoch, expected)
         trainers = self.boundary.train_set()
@@ -210,7 +211,7 @@ class GrpoLoop:
                     shares[pod_id],
                     batch,
                     expected,
-                    f"{batch_id}.{round_no}@{pod_id}",
+                    step_batch.for_pod(round_no, pod_id),
                     pods=len(pod_ids),
                     pod_ids=pod_ids,
                 )
