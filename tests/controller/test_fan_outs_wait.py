@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from podrl.controller.phases import settle
-from podrl.controller.weight_sync import WeightSync
+from podrl.controller.step.phases import settle
+from podrl.controller.step.weight_sync import WeightSync
 
 
 def _calls(finished: set[str]) -> Callable[[str], str]:

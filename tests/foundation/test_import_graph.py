@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2] / "services"
 PACKAGE = "podrl"
 
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"podrl.controller.async_steps", "podrl.controller.loop"}): (
+    frozenset({"podrl.controller.step.async_steps", "podrl.controller.step.loop"}): (
         "AsyncSteps reads the loop's collaborators and calls back train_batch, sync_weights "
         "and record; goes when the sync and async steps share one step-driver interface"
     ),
