@@ -4,6 +4,7 @@ join), stops all of them, starts a dead pod service again, and ends when the con
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,14 @@ def test_a_dead_pod_service_is_started_again_and_sigterm_stops_every_child(
             assert f"{name} stopped" in log, name
         lighthouse_log = (tmp_path / "run" / "logs" / "lighthouse.log").read_text()
         assert "lighthouse: SIGTERM, stopping" in lighthouse_log
+        # Both of its servers on loopback: the front, which checks the trainers' replica ids
+        # with the run's secret, and torchft's own (its status page, its kill endpoint).
+        listening = re.search(
+            r"lighthouse listening on 127\.0\.0\.1:\d+ \(the torchft Lighthouse on "
+            r"127\.0\.0\.1:\d+, loopback only; replica ids must carry the run secret's MAC",
+            lighthouse_log,
+        )
+        assert listening, lighthouse_log
     finally:
         proc.kill()
 
