@@ -9,8 +9,10 @@ from pydantic import Field, field_validator, model_validator
 
 from podrl.config.base import Section, ServiceSection
 
-#: Hosts of the loopback interface (trainer.replication.lighthouse_server_bind).
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+#: Loopback addresses torchft's Lighthouse may bind (trainer.replication.lighthouse_server_bind):
+#: IP addresses only, since a name such as localhost resolves through /etc/hosts, which may map
+#: it elsewhere.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1"})
 
 
 class ReplicationConfig(Section):
@@ -91,8 +93,8 @@ class ReplicationConfig(Section):
         if host.strip("[]") not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
             raise ValueError(
                 f"{value!r}: the torchft Lighthouse authenticates nobody, so it listens on "
-                "loopback only; set host:port with host 127.0.0.1, ::1 or localhost (port 0 = a "
-                "free one), and trainer.replication.lighthouse_bind for the trainers' address"
+                "loopback only; set host:port with host 127.0.0.1 or [::1] (port 0 = a free one), "
+                "and trainer.replication.lighthouse_bind for the trainers' address"
             )
         return value
 

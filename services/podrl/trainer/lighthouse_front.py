@@ -198,8 +198,8 @@ def start_front(
     handlers = grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "Quorum": _forwarder(channel, "Quorum", gate and gate.check_quorum),
-            "Heartbeat": _forwarder(channel, "Heartbeat", gate and gate.check_heartbeat),
+            "Quorum": _forwarder(channel, "Quorum", gate.check_quorum if gate else None),
+            "Heartbeat": _forwarder(channel, "Heartbeat", gate.check_heartbeat if gate else None),
         },
     )
     server = grpc.server(
