@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.rollout.producer import (
-    GeneratorGate,
     RolloutProducer,
     ScoredBatch,
     buffer_capacity_steps,

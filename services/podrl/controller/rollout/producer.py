@@ -1,21 +1,13 @@
 """Asynchronous mode (``loop.mode: async``): a producer generates and scores the prompts of
 the next steps while the trainers train, into a bounded buffer of scored steps.
 
-The parts, read in this order:
+The parts, read in this order (the generator gate both sides hold is ``gate.py``):
 
 - :func:`may_start`: the bound (pure). The batch of step ``j`` may be started once step
   ``j - 1 - max_staleness`` is done. Its groups are then sampled by a version at least the one
   that step left, and step ``j`` trains at most ``max_staleness`` versions later, so in a run
   whose generators take every sync nothing is dropped as stale; with ``max_staleness`` 0 the
   batch of step ``j`` starts only after step ``j - 1`` is done: the synchronous order.
-- :class:`GeneratorGate`: who may use the generators. The producer holds it for one batch's
-  ``Generate`` fan-out; the loop holds it (with priority: the producer starts no new batch
-  while the loop waits) around each ``ApplyWeights`` of a weight sync (the trainers' publish
-  and acknowledgment need no generator), for the step boundary (align: pods admitted,
-  generators brought to their trainers' version) and for evaluations. So weights are applied
-  to each pod's generator between its generation batches, never in the middle of one; with
-  ``loop.weight_apply: in_flight`` the syncs and aligns take no gate (the generators apply in
-  the middle of a batch, ``podrl.generator.in_flight``), evaluations still do.
 - :class:`RolloutProducer`: the producer's two threads and the buffer. The generating thread
   draws each step's prompts from the task source in step order (one ``next_prompts`` call per
   step, as the synchronous loop does) and generates them; the scoring thread scores the batches
@@ -35,8 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,58 +64,6 @@ class ScoredBatch:
     """generate / score seconds of the producer (overlapping the previous steps' training)."""
     error: StepFailedError | None = None
     """The attempt failed (generate or score); nothing of it may be trained on."""
-
-
-class GeneratorGate:
-    """Who may use the generators: the producer alone, for one batch; or the loop (first in
-    line), for weight syncs, step boundaries and evaluations. The loop's side may be held by
-    several of its threads at once (a sync applies to every pod's generator in parallel, and
-    an align inside an evaluation's hold may apply one), never together with the producer."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._producer_holds = False
-        self._loop_holders = 0
-        self._loop_waiting = 0
-
-    @contextmanager
-    def producer(self, stopped: Callable[[], bool]) -> Iterator[bool]:
-        """Yields False (holding nothing) when ``stopped()`` turned true while waiting."""
-
-        def taken() -> bool:
-            return self._producer_holds or self._loop_holders > 0 or self._loop_waiting > 0
-
-        acquired = False
-        with self._cond:
-            while taken() and not stopped():
-                self._cond.wait(_POLL_SECONDS)
-            if not taken():
-                self._producer_holds = acquired = True
-        if not acquired:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            with self._cond:
-                self._producer_holds = False
-                self._cond.notify_all()
-
-    @contextmanager
-    def loop(self) -> Iterator[None]:
-        with self._cond:
-            self._loop_waiting += 1
-            try:
-                self._cond.wait_for(lambda: not self._producer_holds)
-            finally:
-                self._loop_waiting -= 1
-            self._loop_holders += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._loop_holders -= 1
-                self._cond.notify_all()
 
 
 #: Generates step ``step``'s batch: new prompts (second argument None) or, after a failed

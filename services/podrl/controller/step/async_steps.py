@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from podrl.controller import loop_metrics as metrics
 from podrl.controller.records.run_store import StepRecord
+from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.rollout.producer import (
-    GeneratorGate,
     RolloutProducer,
     ScoredBatch,
     buffer_capacity_steps,

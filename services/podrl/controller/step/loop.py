@@ -50,7 +50,7 @@ from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator, RunPhases
 from podrl.controller.records.recorder import StepRecorder
 from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
-from podrl.controller.rollout.producer import GeneratorGate
+from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.status import RunState
 from podrl.controller.step.async_steps import AsyncSteps
 from podrl.controller.step.batch import (
