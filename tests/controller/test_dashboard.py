@@ -29,9 +29,9 @@ def served_run(tmp_path: Path) -> Iterator[str]:
     # A second pod; both are in the roster (admitted at the same step boundary).
     for component in (1, 2, 3):
         registry.register(POD_1, component, f"127.0.0.1:{50060 + component}", "inc")
-    state = RunState("dash-test", registry, min_worker_pods=1, steps_total=20)
-    state.roster = PodRoster(registry, desired_replicas=lambda: 3)
-    state.roster.admit()
+    roster = PodRoster(registry, desired_replicas=lambda: 3)
+    roster.admit()
+    state = RunState("dash-test", registry, min_worker_pods=1, steps_total=20, roster=roster)
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 8):
         metrics = {

@@ -31,9 +31,9 @@ def _async_state(
     state.set_rollout(
         RolloutView(
             mode="async", max_staleness=1, buffer_capacity_groups=32, weight_apply=weight_apply
-        )
+        ),
+        buffer_fill=lambda: (1, 16),
     )
-    state.buffer_fill = lambda: (1, 16)
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 5):
         metrics = {

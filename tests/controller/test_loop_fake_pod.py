@@ -22,9 +22,10 @@ from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
 from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
-from podrl.controller.step.loop import GrpoLoop
 from podrl.grader.main import build_spec as build_grader
 from podrl.tasks import build_task_source
 from podrl.v1 import common_pb2, controller_pb2
@@ -109,13 +110,15 @@ def run_loop(tmp_path: Path, grader_address: str) -> RunLoop:
             (controller_pb2.COMPONENT_TRAINER, pod.address),
         ):
             registry.register("pod-0", component, address, "incarnation-1")
-        state = RunState(config.name, registry, 1, config.loop.steps)
+        roster = PodRoster(registry)
+        state = RunState(config.name, registry, 1, config.loop.steps, roster)
         store = RunStore(run_dir / "controller.sqlite")
         clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
-        loop_ = GrpoLoop(config, state, store, clients, build_task_source(config.tasks))
-        loop_.train_phase._backoff = 0.05  # re-send at once: the test waits on real deadlines
+        source = build_task_source(config.tasks)
+        # Re-sent at once (backoff 0.05 s): the test waits on real deadlines.
+        loop_ = build_loop(config, state, store, clients, source, roster, threading.Event(), 0.05)
         try:
-            loop_.run(threading.Event())
+            loop_.run()
             steps = store.steps()
         finally:
             clients.close()

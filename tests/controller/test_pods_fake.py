@@ -24,8 +24,8 @@ from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.run_store import RunStore
+from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
-from podrl.controller.step.loop import GrpoLoop
 from podrl.grader.main import build_spec as build_grader
 from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
@@ -91,12 +91,13 @@ class Cluster:
         run_dir = self.tmp_path / "run"
         port = int(self.grader.rsplit(":", 1)[1])
         config = _config(run_dir, port, task=task, steps=steps, **loop)
-        state = RunState(config.name, self.registry, 1, config.loop.steps)
+        roster = PodRoster(self.registry)
+        state = RunState(config.name, self.registry, 1, config.loop.steps, roster)
         store = RunStore(run_dir / "controller.sqlite")
         clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
-        roster = PodRoster(self.registry)
-        loop = GrpoLoop(config, state, store, clients, build_task_source(config.tasks), roster)
-        loop.train_phase._backoff = 0.05
+        source = build_task_source(config.tasks)
+        stop = stop or threading.Event()
+        loop = build_loop(config, state, store, clients, source, roster, stop, 0.05)
         if on_step is not None:
             record = loop.recorder.record
 
@@ -107,7 +108,7 @@ class Cluster:
 
             loop.recorder.record = recorded  # type: ignore[method-assign]
         try:
-            loop.run(stop or threading.Event())
+            loop.run()
             steps_done = store.steps()
         finally:
             clients.close()

@@ -92,9 +92,7 @@ def serve() -> Iterator[Serve]:
 
 
 def _state(registry: MemberRegistry, roster: PodRoster) -> RunState:
-    state = RunState("scale", registry, 1)
-    state.roster = roster
-    return state
+    return RunState("scale", registry, 1, roster=roster)
 
 
 def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> None:

@@ -217,9 +217,10 @@ def test_a_pod_lost_before_its_quorum_has_its_peers_calls_cancelled_and_the_step
         }
 
     clients = WorkerClients(GrpcConfig(long_call_timeout_seconds=120))
-    phase = TrainPhase(clients, attempts=3, backoff_seconds=0.05)
     lost: list[str] = []
-    phase.on_lost = lambda pod, reason: lost.append(pod)
+    phase = TrainPhase(
+        clients, attempts=3, backoff_seconds=0.05, on_lost=lambda pod, reason: lost.append(pod)
+    )
     try:
         outcome = phase.train_pods({n: p.address for n, p in pods.items()}, 0, requests_for)
     finally:

@@ -16,6 +16,7 @@ import grpc
 
 from podrl.config import RunConfig
 from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
 from podrl.controller.records.recorder import StepRecorder
 from podrl.controller.records.resume import (
@@ -27,6 +28,7 @@ from podrl.controller.records.resume import (
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
 from podrl.controller.step.boundary import StepBoundary
+from podrl.controller.step.train_phase import TrainPhase
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.tasks import TaskSource
 from podrl.v1 import trainer_pb2
@@ -43,6 +45,8 @@ class RunCheckpoints:
         clients: WorkerClients,
         source: TaskSource,
         recorder: StepRecorder,
+        roster: PodRoster,
+        train_phase: TrainPhase,
         boundary: StepBoundary,
     ) -> None:
         self.config = config
@@ -51,7 +55,9 @@ class RunCheckpoints:
         self.clients = clients
         self.source = source
         self.recorder = recorder
-        self.boundary = boundary  # the lead pod; its roster and Train phase answer resume
+        self.roster = roster
+        self.train_phase = train_phase  # asks the trainers' Info at resume
+        self.boundary = boundary  # the lead pod
 
     def save(self, position: dict[str, Any]) -> str:
         """A checkpoint of the lead trainer, with the controller's step, version and the task
@@ -79,10 +85,10 @@ class RunCheckpoints:
         version it loads, or they would be taken for the newest replica. Generators are
         brought to the trainers' version (rolled back when ahead) and the trainers acknowledged
         by the first step's align."""
-        pods = self.boundary.roster.admit()
+        pods = self.roster.admit()
         if not pods:
             raise RunFailedError("no complete, healthy worker pod to resume the run with")
-        trainer_info = self.boundary.train_phase.trainer_info
+        trainer_info = self.train_phase.trainer_info
         infos = {pod.id: trainer_info(pod.trainer) for pod in pods}
         answering = [pod for pod in pods if infos[pod.id] is not None]
         if not answering:

@@ -6,6 +6,8 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import uvicorn
 
@@ -17,12 +19,23 @@ from podrl.controller.pods.kube_watch import KubeWatch, KubeWatchConfig
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
 from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
+from podrl.controller.records.checkpointing import RunCheckpoints
+from podrl.controller.records.evaluation import Evaluator
+from podrl.controller.records.recorder import StepRecorder
 from podrl.controller.records.run_store import RunStore
+from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.servicer import ControllerServicer
 from podrl.controller.service.status import RunState
+from podrl.controller.step.async_steps import AsyncSteps
+from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.loop import GrpoLoop
-from podrl.tasks import build_task_source
+from podrl.controller.step.parts import StepDriver, StepParts
+from podrl.controller.step.phases import WorkerPhases
+from podrl.controller.step.sync_steps import SyncSteps
+from podrl.controller.step.train_phase import TrainPhase
+from podrl.controller.step.weight_sync import WeightSync
+from podrl.tasks import TaskSource, build_task_source
 from podrl.tasks.prompt_bounds import check_prompts_fit
 from podrl.v1 import controller_pb2_grpc
 
@@ -82,14 +95,69 @@ class RestServer:
         self._thread.join(timeout=10)
 
 
+def build_loop(
+    config: RunConfig,
+    state: RunState,
+    store: RunStore,
+    clients: WorkerClients,
+    source: TaskSource,
+    roster: PodRoster,
+    stop: threading.Event,
+    train_backoff_seconds: float = 2.0,
+) -> GrpoLoop:
+    """The loop and everything it drives, each part given what it uses when it is built.
+    ``stop`` ends the run (the step in flight finishes, its retries end early);
+    ``train_backoff_seconds``: the wait before a Train is re-sent (times the send's number)."""
+    pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
+    gate = GeneratorGate()
+    asynchronous = config.loop.mode == "async"
+    phases = WorkerPhases(clients, pool, state.registry, roster)
+    weights = WeightSync(
+        clients,
+        pool,
+        stop,
+        # async mode: each ApplyWeights waits for the producer's batch to end (none in flight)
+        applying=gate.loop if asynchronous else nullcontext,
+        in_flight=config.loop.weight_apply == "in_flight",
+    )
+    boundary = StepBoundary(state, roster, clients, pool, weights)
+    train_phase = TrainPhase(
+        clients,
+        config.loop.max_step_attempts,
+        stop,
+        backoff_seconds=train_backoff_seconds,
+        on_lost=boundary.trainer_lost,  # a trainer lost mid-Train leaves the roster
+    )
+    recorder = StepRecorder(config, state, store)
+    parts = StepParts(
+        config,
+        state,
+        store,
+        source,
+        roster,
+        phases,
+        train_phase,
+        weights,
+        boundary,
+        recorder,
+        gate,
+        pool,
+        stop,
+    )
+    driver: StepDriver = AsyncSteps(parts) if asynchronous else SyncSteps(parts)
+    checkpoints = RunCheckpoints(
+        config, state, store, clients, source, recorder, roster, train_phase, boundary
+    )
+    return GrpoLoop(parts, driver, checkpoints, Evaluator(config))
+
+
 class LoopRunner:
     """Runs the GRPO loop in a thread. stop() lets the step in flight finish (its retries end
     early), then the loop checkpoints and ends; stop() returns when it has."""
 
-    def __init__(self, loop: GrpoLoop) -> None:
-        self._loop = loop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=loop.run, args=(self._stop,), name="grpo-loop")
+    def __init__(self, loop: GrpoLoop, stop: threading.Event) -> None:
+        self._stop = stop
+        self._thread = threading.Thread(target=loop.run, name="grpo-loop")
 
     def start(self) -> None:
         self._thread.start()
@@ -136,9 +204,8 @@ def build_scaling(
 def build_spec(config: RunConfig) -> ServiceSpec:
     section = config.controller
     registry = MemberRegistry(section.heartbeat_timeout_seconds)
-    state = RunState(config.name, registry, section.min_worker_pods, config.loop.steps)
     roster, scaler, watch = build_scaling(config, registry)
-    state.roster = roster
+    state = RunState(config.name, registry, section.min_worker_pods, config.loop.steps, roster)
     store = RunStore(config.run_dir / "controller.sqlite")
     servicer = ControllerServicer(state, section.heartbeat_interval_seconds)
     side_servers: list = [] if watch is None else [KubeWatchServer(watch)]
@@ -161,7 +228,8 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     if config.loop.steps:
         check_prompts_fit(config)  # a prompt too long for the model: exit 2, at start
         source = build_task_source(config.tasks)  # a bad task config fails here, at start
-        runner = LoopRunner(GrpoLoop(config, state, store, clients, source, roster))
+        stop = threading.Event()
+        runner = LoopRunner(build_loop(config, state, store, clients, source, roster, stop), stop)
         side_servers.append(runner)
         on_drain.append(runner.stop)  # stop (and checkpoint) while workers can still answer
     return ServiceSpec(

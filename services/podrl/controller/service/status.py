@@ -135,6 +135,7 @@ class RunState:
         registry: MemberRegistry,
         min_worker_pods: int,
         steps_total: int = 0,
+        roster: PodRoster | None = None,
     ) -> None:
         self.run_name = run_name
         self.registry = registry
@@ -148,13 +149,13 @@ class RunState:
         self.last_step_metrics: dict[str, Any] = {}
         self.steps_total = steps_total
         self.error: str | None = None
-        self.roster: PodRoster | None = None
-        """The loop's pods and epoch (set by whoever builds the roster)."""
+        self.roster = roster
+        """The loop's pods and epoch (None: the controller runs no loop)."""
         self.last_eval: dict[str, Any] | None = None
         self.evaluations = 0
         self.rollout = RolloutView()
-        self.buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
-        """(steps, groups) in the rollout buffer (the async loop's producer sets it)."""
+        self._buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(steps, groups) in the rollout buffer (async mode's producer answers it)."""
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -181,9 +182,11 @@ class RunState:
             self.last_step_metrics = dict(metrics)
             self.error = None
 
-    def set_rollout(self, rollout: RolloutView) -> None:
+    def set_rollout(self, rollout: RolloutView, buffer_fill: Callable[[], tuple[int, int]]) -> None:
+        """Async mode's rollout settings, and where the buffer's (steps, groups) are read."""
         with self._lock:
             self.rollout = rollout
+            self._buffer_fill = buffer_fill
 
     def count_staleness(self, figures: dict[str, Any]) -> None:
         """Add a step record's staleness figures to the run's totals."""
@@ -218,7 +221,9 @@ class RunState:
         pod_views = [PodView(**vars(p)) for p in roster.status()] if roster else []
         epoch = roster.epoch if roster else 0
         desired = roster.desired_replicas() if roster else None
-        buffer_steps, buffer_groups = self.buffer_fill()
+        with self._lock:
+            buffer_fill = self._buffer_fill
+        buffer_steps, buffer_groups = buffer_fill()
         with self._lock:
             rollout = self.rollout.model_copy(
                 update={"buffer_steps": buffer_steps, "buffer_groups": buffer_groups}

@@ -1,15 +1,15 @@
 """One step of asynchronous mode (``loop.mode: async``; docs/controller.md, "Asynchronous
 mode").
 
-The producer (rollout_buffer.py) draws, generates and scores the next steps, at most
+The producer (rollout/producer.py) draws, generates and scores the next steps, at most
 ``loop.max_staleness`` ahead, while the loop trains. Each step here takes its batch from the
-producer, drops the groups older than ``max_staleness`` versions, trains it with the loop's own
-Train (GrpoLoop.train_batch), syncs the weights (each ApplyWeights holding the generator gate,
-so weights reach the generators between their batches), aligns the next step (holding the gate
-too), tells the producer the step is done, and records it while the next batch generates. With
-``loop.weight_apply: in_flight`` the sync and the align hold no gate: the generators apply in
-the middle of the running batch. A failed batch is retried with the same prompts, a Train
-answered "not applied" with the same batch.
+producer, drops the groups older than ``max_staleness`` versions, trains it with the Train both
+modes share (StepParts.train_batch), syncs the weights (each ApplyWeights holding the generator
+gate, so weights reach the generators between their batches), aligns the next step (holding
+the gate too), tells the producer the step is done, and records it while the next batch
+generates. With ``loop.weight_apply: in_flight`` the sync and the align hold no gate: the
+generators apply in the middle of the running batch. A failed batch is retried with the same
+prompts, a Train answered "not applied" with the same batch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from podrl.controller import loop_metrics as metrics
 from podrl.controller.records.run_store import StepRecord
@@ -34,25 +34,25 @@ from podrl.controller.step.batch import (
     split_stale,
     with_stale_figures,
 )
+from podrl.controller.step.parts import StepParts
 from podrl.controller.step_errors import RunFailedError, StepFailedError
-
-if TYPE_CHECKING:
-    from podrl.controller.step.loop import GrpoLoop
 
 log = logging.getLogger(__name__)
 
 
 class AsyncSteps:
-    def __init__(self, loop: GrpoLoop, gate: GeneratorGate) -> None:
-        self.loop = loop
-        self.config = loop.loop_config
-        self.gate = gate
+    """The :class:`~podrl.controller.step.parts.StepDriver` of asynchronous mode."""
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+        self.config = parts.loop_config
+        self.gate: GeneratorGate = parts.gate
         self.producer = RolloutProducer(
             self._generate,
             self._score,
             max_staleness=self.config.max_staleness,
             last_step=self.config.steps,
-            stopped=loop.stopping,
+            stopped=parts.stopping,
         )
         self.recorded_position: dict[str, Any] = {}
         """The task source's position after the last recorded step: where a checkpoint (or a
@@ -63,22 +63,27 @@ class AsyncSteps:
         """The batch of the step being trained, kept until recorded (a Train that was not
         applied is sent again with it)."""
         capacity = buffer_capacity_steps(self.config.max_staleness) * self.config.prompts_per_step
-        loop.state.buffer_fill = self.producer.fill
-        loop.state.set_rollout(
+        parts.state.set_rollout(
             RolloutView(
                 mode="async",
                 max_staleness=self.config.max_staleness,
                 buffer_capacity_groups=capacity,
                 weight_apply=self.config.weight_apply,
-            )
+            ),
+            buffer_fill=self.producer.fill,
         )
         metrics.BUFFER_CAPACITY_GROUPS.set(capacity)
 
     def resumed(self) -> None:
         """After the loop's resume: the run's position and staleness totals so far."""
-        self.recorded_position = self.loop.source.position()
-        for record in self.loop.store.steps():  # the run's totals on /v1/status
-            self.loop.state.count_staleness(record.metrics)
+        self.recorded_position = self.parts.source.position()
+        for record in self.parts.store.steps():  # the run's totals on /v1/status
+            self.parts.state.count_staleness(record.metrics)
+
+    def checkpoint_position(self) -> dict[str, Any]:
+        """The producer's task source is ahead (the buffer's prompts): the position after the
+        last recorded step is where a restart continues."""
+        return self.recorded_position
 
     def failed(self) -> None:
         """The step's attempt failed: the next attempt aligns first and gets the same prompts
@@ -94,7 +99,7 @@ class AsyncSteps:
         """Draw the step's prompts (or take those of the failed attempt) and generate them on
         the generating pods, holding the generator gate. A failed phase comes back as the
         batch's ``error``."""
-        source = self.loop.source
+        source = self.parts.source
         if failed is None:
             before = source.position()
             items = source.next_prompts(self.config.prompts_per_step)
@@ -103,17 +108,17 @@ class AsyncSteps:
             items, before, after = failed.data.items, failed.position_before, failed.position_after
         batch = ScoredBatch(step, StepSamples(items=list(items)), before, after)
         try:
-            with self.gate.producer(self.loop.stopping) as held:
+            with self.gate.producer(self.parts.stopping) as held:
                 if not held:
                     raise StepFailedError("generate", "the run is stopping")
                 start = time.perf_counter()
-                self.loop.phases.generate(
+                self.parts.phases.generate(
                     step,
                     batch.data,
                     self.config.sampling,
-                    self.loop.seed_for(step),
+                    self.parts.seed_for(step),
                     None,
-                    self.loop.boundary.generating,
+                    self.parts.boundary.generating,
                 )
                 batch.seconds["generate"] = round(time.perf_counter() - start, 4)
                 metrics.PHASE_SECONDS.labels("generate").observe(batch.seconds["generate"])
@@ -125,7 +130,7 @@ class AsyncSteps:
         """Score a generated batch (no gate: the graders are not the generators)."""
         try:
             start = time.perf_counter()
-            self.loop.phases.score(batch.data, self.loop.roster.pods())
+            self.parts.phases.score(batch.data, self.parts.roster.pods())
             batch.seconds["score"] = round(time.perf_counter() - start, 4)
             metrics.PHASE_SECONDS.labels("score").observe(batch.seconds["score"])
             check_score_errors(batch.data, self.config.max_score_error_rate)
@@ -138,14 +143,14 @@ class AsyncSteps:
         ``loop.weight_apply: in_flight`` without it: its applies land in flight, a rollback
         takes the gate itself (WeightSync), and a batch already running keeps the pods it
         started with, as when a pod leaves mid-batch."""
-        held = nullcontext() if self.loop.weights.in_flight else self.gate.loop()
+        held = nullcontext() if self.parts.weights.in_flight else self.gate.loop()
         with held:
-            self.loop.timed("align", {}, lambda: self.loop.boundary.align(expected))
+            self.parts.timed("align", {}, lambda: self.parts.boundary.align(expected))
 
     def run_step(self, attempt: int) -> StepRecord | None:
-        loop = self.loop
-        step = loop.state.step + 1
-        expected = loop.state.policy_version
+        parts = self.parts
+        step = parts.state.step + 1
+        expected = parts.state.policy_version
         timings: dict[str, float] = {}
         if self._needs_align:
             self._align(expected)
@@ -157,7 +162,7 @@ class AsyncSteps:
         self._retry_step = None
         if self._taken is None or self._taken.step != step:
             try:
-                scored = loop.timed("wait_for_batch", timings, lambda: self.producer.take(step))
+                scored = parts.timed("wait_for_batch", timings, lambda: self.producer.take(step))
             except StepFailedError:
                 self._retry_step = step
                 raise
@@ -173,8 +178,8 @@ class AsyncSteps:
                 f"step {step}: {err}; a generator serves a version its trainers never "
                 "reached: restart the run to resume from its records and checkpoints"
             ) from err
-        batch = with_stale_figures(loop.build_batch(split.fresh), split)
-        trained = loop.train_batch(
+        batch = with_stale_figures(parts.build_batch(split.fresh), split)
+        trained = parts.train_batch(
             step,
             attempt,
             expected,
@@ -184,12 +189,12 @@ class AsyncSteps:
             scored.position_after,
             timings,
         )
-        loop.recorder.write_samples(step, scored.data, trained.sample_ids)
+        parts.recorder.write_samples(step, scored.data, trained.sample_ids)
         # Each ApplyWeights holds the generator gate (WeightSync's `applying`; none in flight);
         # the publish before it overlaps the producer's batch. The step is done for the
         # producer once the generators are aligned for the next one; its record is written
         # while that batch runs.
-        sync_seconds = loop.sync_weights(trained.outcome, trained.version, timings)
+        sync_seconds = parts.sync_weights(trained.outcome, trained.version, timings)
         if step < self.config.steps:
             try:
                 self._align(trained.version)
@@ -197,7 +202,7 @@ class AsyncSteps:
                 log.warning("align after step %d failed: %s", step, err)
                 self._needs_align = True
         self.producer.step_done(step)
-        record = loop.record(
+        record = parts.record(
             step, scored.position_after, scored.data, trained, timings, sync_seconds
         )
         self._taken = None
@@ -212,4 +217,4 @@ class AsyncSteps:
         metrics.STALE_GROUPS_DROPPED.inc(figures.get("groups_dropped_stale") or 0)
         metrics.STALE_SAMPLES_DROPPED.inc(figures.get("samples_dropped_stale") or 0)
         metrics.SAMPLES_SPANNING_VERSIONS.inc(figures.get("samples_spanning_versions") or 0)
-        self.loop.state.count_staleness(figures)
+        self.parts.state.count_staleness(figures)

@@ -24,7 +24,7 @@ from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.roster import Pod, PodRoster, pod_order
 from podrl.controller.service.status import RunState
 from podrl.controller.step.phases import settle
-from podrl.controller.step.train_phase import TrainPhase
+from podrl.controller.step.train_phase import trainer_info
 from podrl.controller.step.weight_sync import WeightSync
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 from podrl.v1 import controller_pb2, trainer_pb2
@@ -39,14 +39,12 @@ class StepBoundary:
         roster: PodRoster,
         clients: WorkerClients,
         pool: ThreadPoolExecutor,
-        train_phase: TrainPhase,
         weights: WeightSync,
     ) -> None:
         self.state = state
         self.roster = roster
         self.clients = clients
         self._pool = pool
-        self.train_phase = train_phase
         self.weights = weights
         self.joining: set[str] = set()
         """Pods whose trainer is behind the run's version: they heal in this step's Train and
@@ -122,7 +120,7 @@ class StepBoundary:
     def _trainer_versions(self, pods: list[Pod]) -> dict[str, int]:
         """Each pod's trainer version (Info); a pod whose trainer does not answer leaves."""
         infos = settle(
-            self._pool, [lambda p=p: self.train_phase.trainer_info(p.trainer) for p in pods]
+            self._pool, [lambda p=p: trainer_info(self.clients, p.trainer) for p in pods]
         )
         versions = {}
         for pod, info in zip(pods, infos, strict=True):

@@ -1,16 +1,18 @@
 """The GRPO loop the controller runs: it sequences the parts, each in its module.
 
-One step (docs/controller.md), over the pods the roster admits at its start (roster.py):
+One step (docs/controller.md), over the pods the roster admits at its start (pods/roster.py):
 
-    step boundary: admit pods, align their generators (step_boundary) → draw prompts →
+    step boundary: admit pods, align their generators (boundary) → draw prompts →
     generate and score, each pod its share (phases) → batch over the whole step (batch) →
     Train on every pod at once, each its share (train_phase) → samples.jsonl → weight sync
     inside each pod (weight_sync) → step record (recorder)
 
-In async mode (``loop.mode: async``) a producer generates and scores ahead while this loop
-trains; async_steps.py runs such a step with this loop's Train and sync. A trainer checkpoint
-every ``loop.checkpoint_every`` steps and at the end, and the resume at start (checkpointing);
-held-out evaluations (evaluation).
+The loop runs the steps through a step driver (parts.py's ``StepDriver``): sync_steps.py
+runs one step after the other; in async mode (``loop.mode: async``) async_steps.py takes each
+step's batch from a producer that generates and scores ahead while the trainers train. Both
+share the Train, the sync and the record (parts.py). This module adds what is the same in both
+modes: retries, a trainer checkpoint every ``loop.checkpoint_every`` steps and at the end, the
+resume at start (records/checkpointing), held-out evaluations (records/evaluation).
 
 With ``loop.generator_memory: sleep_during_train`` the generators sleep just before Train and
 wake just before the weight sync (weight_sync: sleep_pods, wake_pods; align wakes any left
@@ -30,124 +32,45 @@ Failure rules:
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import grpc
 
-from podrl.common import faults
-from podrl.config import RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.pods.clients import WorkerClients
-from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator, RunPhases
-from podrl.controller.records.recorder import StepRecorder
-from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
-from podrl.controller.rollout.gate import GeneratorGate
-from podrl.controller.service.status import RunState
-from podrl.controller.step.async_steps import AsyncSteps
-from podrl.controller.step.batch import (
-    StepSamples,
-    TrainBatch,
-    build_batch,
-    check_score_errors,
-    split_batch,
-    train_request,
-)
-from podrl.controller.step.batch_ids import StepBatchId, process_prefix
-from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.phases import WorkerPhases
-from podrl.controller.step.train_phase import TrainOutcome, TrainPhase
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.records.run_store import StepRecord
+from podrl.controller.step.batch import StepSamples
+from podrl.controller.step.parts import StepDriver, StepParts
 from podrl.controller.step_errors import (
     RunFailedError,
     StepFailedError,
     describe_rpc_error,
 )
-from podrl.tasks import TaskSource
-from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TrainedStep:
-    """What Train made of a step's batch."""
-
-    batch: TrainBatch
-    batch_id: str
-    outcome: TrainOutcome | None
-    """None when the batch was empty (no group with a learning signal: trained: false)."""
-    epoch: int
-    """The roster's epoch the step was trained in."""
-    version: int
-    """The trainers' policy version after it."""
-
-    @property
-    def sample_ids(self) -> set[str]:
-        """The samples the trainers trained on."""
-        return {s.sample_id for s in self.batch.sequences} if self.outcome else set()
 
 
 class GrpoLoop:
     def __init__(
         self,
-        config: RunConfig,
-        state: RunState,
-        store: RunStore,
-        clients: WorkerClients,
-        source: TaskSource,
-        roster: PodRoster | None = None,
+        parts: StepParts,
+        driver: StepDriver,
+        checkpoints: RunCheckpoints,
+        evaluator: Evaluator,
     ) -> None:
-        self.config = config
-        self.loop_config = config.loop
-        self.state = state
-        self.store = store
-        self.clients = clients
-        self.source = source
-        self.roster = roster or state.roster or PodRoster(state.registry)
-        state.roster = self.roster
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
-        self.phases = WorkerPhases(clients, self._pool, state.registry, self.roster)
-        self.train_phase = TrainPhase(clients, config.loop.max_step_attempts)
-        self.gate = GeneratorGate()
-        """Who may use the generators; only async mode's producer contends for it."""
-        asynchronous = config.loop.mode == "async"
-        self.weights = WeightSync(
-            clients,
-            self._pool,
-            applying=self.gate.loop if asynchronous else nullcontext,
-            in_flight=config.loop.weight_apply == "in_flight",
-        )
-        self.boundary = StepBoundary(
-            state, self.roster, clients, self._pool, self.train_phase, self.weights
-        )
-        self.train_phase.on_lost = self.boundary.trainer_lost  # a trainer lost mid-Train
-        self.recorder = StepRecorder(config, state, store)
-        self.evaluator = Evaluator(config)  # held-out prompts, drawn apart from self.source
-        self.checkpoints = RunCheckpoints(
-            config, state, store, clients, source, self.recorder, self.boundary
-        )
-        # Batch ids name this controller process too: one restarted never reuses an id that
-        # a trainer may still hold as its last applied batch.
-        self._batch_prefix = process_prefix(config.name)
-        self._producer_stopped = threading.Event()
-        self._run_stop = threading.Event()
-        self.async_steps = AsyncSteps(self, self.gate) if asynchronous else None
+        self.parts = parts
+        self.driver = driver
+        self.checkpoints = checkpoints
+        self.evaluator = evaluator  # held-out prompts, drawn apart from the run's task source
+        self.loop_config = parts.loop_config
+        self.state = parts.state
+        self.store = parts.store
+        self.recorder = parts.recorder
 
-    # -- parts of a step (async_steps.py runs its steps with them too) ----------------------------
-    def stopping(self) -> bool:
-        return self._producer_stopped.is_set() or self._run_stop.is_set()
-
-    def _wait_for_workers(self, stop: threading.Event) -> None:
+    def _wait_for_workers(self) -> None:
+        stop = self.parts.stop
         deadline = time.monotonic() + self.loop_config.workers_timeout_seconds
         while not self.state.is_ready():
             if stop.is_set():
@@ -161,186 +84,18 @@ class GrpoLoop:
             self.state.set_phase("waiting_for_workers")
             stop.wait(0.2)
 
-    def timed(self, phase: str, timings: dict[str, float], fn: Callable[[], T]) -> T:
-        self.state.set_phase(phase)
-        start = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            timings[phase] = round(time.perf_counter() - start, 4)
-            metrics.PHASE_SECONDS.labels(phase).observe(timings[phase])
-
-    def seed_for(self, step: int) -> int | None:
-        seed = self.loop_config.sample_seed
-        return None if seed is None else seed + step
-
-    def build_batch(self, data: StepSamples) -> TrainBatch:
-        return build_batch(
-            data,
-            normalize_std=self.loop_config.normalize_advantages_std,
-            min_valid_per_group=self.loop_config.min_valid_samples_per_group,
-        )
-
-    def train_batch(
-        self,
-        step: int,
-        attempt: int,
-        expected: int,
-        batch: TrainBatch,
-        data: StepSamples,
-        position_before: dict[str, Any],
-        position_after: dict[str, Any],
-        timings: dict[str, float],
-    ) -> TrainedStep:
-        """Train the step's batch on every pod at once."""
-        step_batch = StepBatchId(self._batch_prefix, step, attempt)
-        batch_id = str(step_batch)
-        if not batch.sequences:
-            return TrainedStep(batch, batch_id, None, self.roster.epoch, expected)
-        trainers = self.boundary.train_set()
-        if not trainers:
-            raise StepFailedError("train", "no pod is left to train on")
-
-        def requests_for(pod_ids: list[str], round_no: int) -> dict[str, trainer_pb2.TrainRequest]:
-            # Every round of this step shares the prefix recorded as the step in flight:
-            # a restart recognises any of them in a trainer's last_batch_id.
-            shares = split_batch(batch.sequences, pod_ids)
-            self.roster.note_shares(sequences={p: len(s) for p, s in shares.items()})
-            return {
-                pod_id: train_request(
-                    shares[pod_id],
-                    batch,
-                    expected,
-                    step_batch.for_pod(round_no, pod_id),
-                    pods=len(pod_ids),
-                    pod_ids=pod_ids,
-                )
-                for pod_id in pod_ids
-            }
-
-        if self.loop_config.generator_memory == "sleep_during_train":
-            # The trainers get the generators' accelerator memory while they train;
-            # sync_weights wakes the generators again (or the retry's align does).
-            self.timed("sleep", timings, lambda: self.weights.sleep_pods(self.roster.pods()))
-        self.store.set_pending(
-            PendingStep(step, position_before, position_after, [i.id for i in data.items], batch_id)
-        )
-        outcome = self.timed(
-            "train",
-            timings,
-            lambda: self.train_phase.train_pods(trainers, expected, requests_for),
-        )
-        faults.hit("controller.after_train", step=step)
-        return TrainedStep(
-            batch, batch_id, outcome, self.roster.epoch, outcome.reply.policy_version
-        )
-
-    def sync_weights(
-        self, outcome: TrainOutcome | None, version: int, timings: dict[str, float]
-    ) -> dict[str, float]:
-        """Each pod that trained the step syncs its generator to ``version``: pod → seconds."""
-        if outcome is None:
-            return {}
-        self.roster.note_trained(dict.fromkeys(outcome.replies, version))
-        synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
-        lost = self.boundary.lost
-        if self.loop_config.generator_memory == "sleep_during_train":
-            woken = self.timed(
-                "wake",
-                timings,
-                lambda: self.weights.wake_pods(
-                    synced, self.loop_config.max_step_attempts, is_lost=lost
-                ),
-            )
-            for pod in [pod for pod in synced if pod.id not in woken]:
-                self.roster.drop(pod.id, "lost while its generator woke")
-                synced.remove(pod)
-        sync_seconds = self.timed(
-            "sync",
-            timings,
-            lambda: self.weights.sync_pods(
-                synced,
-                version,
-                self.loop_config.max_step_attempts,
-                is_lost=lost,
-                align=frozenset(self.boundary.joining),
-            ),
-        )
-        for pod in synced:
-            if pod.id in sync_seconds:
-                self.boundary.synced(pod, version)
-            else:
-                self.roster.drop(pod.id, "lost during the weight sync")
-        self.boundary.trained(set(outcome.replies))
-        return sync_seconds
-
-    def record(
-        self,
-        step: int,
-        position_after: dict[str, Any],
-        data: StepSamples,
-        trained: TrainedStep,
-        timings: dict[str, float],
-        sync_seconds: dict[str, float],
-    ) -> StepRecord:
-        return self.recorder.record(
-            step,
-            trained.version,
-            position_after,
-            data,
-            trained.batch,
-            trained.outcome,
-            trained.batch_id,
-            timings,
-            epoch=trained.epoch,
-            sync_seconds=sync_seconds,
-        )
-
     # -- one step --------------------------------------------------------------------------------
-    def run_step(self, attempt: int) -> StepRecord | None:
-        if self.async_steps is not None:
-            return self.async_steps.run_step(attempt)
-        config = self.loop_config
-        step = self.state.step + 1
-        expected = self.state.policy_version
-        position_before = self.source.position()
-        timings: dict[str, float] = {}
-        generating = self.timed("align", {}, lambda: self.boundary.align(expected))
-        data = StepSamples(items=self.source.next_prompts(config.prompts_per_step))
-        position_after = self.source.position()
-        seed = self.seed_for(step)
-        self.timed(
-            "generate",
-            timings,
-            lambda: self.phases.generate(step, data, config.sampling, seed, expected, generating),
-        )
-        self.timed("score", timings, lambda: self.phases.score(data, self.roster.pods()))
-        check_score_errors(data, config.max_score_error_rate)
-        batch = self.build_batch(data)
-        trained = self.train_batch(
-            step, attempt, expected, batch, data, position_before, position_after, timings
-        )
-        self.recorder.write_samples(step, data, trained.sample_ids)
-        sync_seconds = self.sync_weights(trained.outcome, trained.version, timings)
-        return self.record(step, position_after, data, trained, timings, sync_seconds)
-
-    def run_step_with_retries(self, stop: threading.Event) -> StepRecord | None:
-        # In async mode the producer owns the task source (and keeps each batch's positions):
-        # the loop never reads or restores it mid-run.
-        position_before = None if self.async_steps else self.source.position()
+    def run_step_with_retries(self) -> StepRecord | None:
+        stop = self.parts.stop
         attempts = self.loop_config.max_step_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return self.run_step(attempt)
+                return self.driver.run_step(attempt)
             except StepFailedError as err:
                 # Nothing of the attempt was applied (a Train of unknown outcome never ends up
                 # here: it raises RunFailedError and keeps the step in flight for a restart).
                 metrics.STEP_FAILURES.labels(err.phase).inc()
-                if self.async_steps is not None:
-                    self.async_steps.failed()
-                else:
-                    assert position_before is not None
-                    self.source.restore(position_before)  # the same prompts, nothing kept
+                self.driver.failed()
                 self.store.clear_pending()
                 log.error(
                     "step %d attempt %d/%d failed in %s",
@@ -355,38 +110,38 @@ class GrpoLoop:
                         f"step {self.state.step + 1} failed {attempt} times; last error: {err}"
                     ) from err
                 stop.wait(min(2.0 * attempt, 10.0))
-                self._wait_for_workers(stop)
+                self._wait_for_workers()
                 if stop.is_set():
                     return None
         return None
 
     # -- checkpoints, held-out evaluation and the export ------------------------------------------
     def checkpoint(self) -> str:
-        # In async mode the task source is ahead (the buffer's prompts): the position after the
-        # last recorded step is where a restart continues.
-        if self.async_steps is not None:
-            return self.checkpoints.save(self.async_steps.recorded_position)
-        return self.checkpoints.save(self.source.position())
+        return self.checkpoints.save(self.driver.checkpoint_position())
 
     def _eval_phases(self, step: int) -> RunPhases:
+        parts = self.parts
+
         def run(data: StepSamples, sampling: SamplingConfig) -> None:
             version = self.state.policy_version
-            with self.gate.loop():  # async mode: between two of the producer's batches
-                pods = self.boundary.align(version)
-                self.phases.generate(step, data, sampling, None, version, pods)
-            self.phases.score(data, self.roster.pods())
+            with parts.gate.loop():  # async mode: between two of the producer's batches
+                pods = parts.boundary.align(version)
+                parts.phases.generate(step, data, sampling, None, version, pods)
+            parts.phases.score(data, parts.roster.pods())
 
         return run
 
-    def evaluate_after(self, step: int, when: str, stop: threading.Event) -> None:
+    def evaluate_after(self, step: int, when: str) -> None:
         """The evaluation that belongs after ``step`` (0 = before the first), unless it is
-        recorded already (a resumed run). It never trains and never draws from self.source."""
+        recorded already (a resumed run). It never trains and never draws from the run's
+        task source."""
+        stop = self.parts.stop
         if stop.is_set() or self.recorder.has_eval_after(step):
             return
         if not (self.evaluator.due_after(step) or (when == "final" and self.evaluator.enabled)):
             return
         version = self.state.policy_version
-        record = self.timed(
+        record = self.parts.timed(
             "evaluate",
             {},
             lambda: self.evaluator.evaluate(
@@ -396,37 +151,34 @@ class GrpoLoop:
         self.recorder.record_eval(record)
 
     # -- the whole run -----------------------------------------------------------------------------
-    def run(self, stop: threading.Event) -> None:
-        self._run_stop = stop
-        self.weights.stop = stop
-        self.train_phase.stop = stop
+    def run(self) -> None:
+        """The run, until its last step, a failure, or ``parts.stop``."""
+        stop = self.parts.stop
+        timed = self.parts.timed
         try:
-            self._wait_for_workers(stop)
+            self._wait_for_workers()
             if stop.is_set():
                 return
             self.checkpoints.resume()
-            if self.async_steps is not None:
-                self.async_steps.resumed()
-            self.evaluate_after(
-                self.state.step, "initial" if not self.state.step else "periodic", stop
-            )
+            self.driver.resumed()
+            self.evaluate_after(self.state.step, "initial" if not self.state.step else "periodic")
             while self.state.step < self.loop_config.steps and not stop.is_set():
-                record = self.run_step_with_retries(stop)
+                record = self.run_step_with_retries()
                 if record is None:
                     break
                 every = self.loop_config.checkpoint_every
                 if every and record.step % every == 0:
-                    self.timed("checkpoint", {}, self.checkpoint)
-                self.evaluate_after(record.step, "periodic", stop)
+                    timed("checkpoint", {}, self.checkpoint)
+                self.evaluate_after(record.step, "periodic")
             if self.state.step > 0 and self.store.get("checkpoint", {}).get("step") != (
                 self.state.step
             ):
-                self.timed("checkpoint", {}, self.checkpoint)
+                timed("checkpoint", {}, self.checkpoint)
             finished = self.state.step >= self.loop_config.steps
             if finished:
-                self.evaluate_after(self.state.step, "final", stop)
+                self.evaluate_after(self.state.step, "final")
                 if self.loop_config.export_at_end:
-                    self.timed("export", {}, self.checkpoints.export)
+                    timed("export", {}, self.checkpoints.export)
             self.state.set_phase("finished" if finished else "stopped")
             self.recorder.write_summary()
         except (RunFailedError, StepFailedError) as err:
@@ -437,10 +189,9 @@ class GrpoLoop:
             log.exception("GRPO loop crashed")
             self._fail(f"loop crashed: {type(err).__name__}: {err}")
         finally:
-            self._producer_stopped.set()
-            if self.async_steps is not None:
-                self.async_steps.close()
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self.parts.ended.set()
+            self.driver.close()
+            self.parts.pool.shutdown(wait=False, cancel_futures=True)
             self.recorder.close()
 
     def _fail(self, error: str) -> None:

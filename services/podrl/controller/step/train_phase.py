@@ -170,6 +170,14 @@ class _PodResult:
     lost: bool = False
 
 
+def trainer_info(clients: WorkerClients, address: str) -> trainer_pb2.TrainerInfo | None:
+    """The trainer's Info; None when it does not answer."""
+    try:
+        return clients.trainer(address).Info(common_pb2.InfoRequest(), timeout=clients.short)
+    except grpc.RpcError:
+        return None
+
+
 class TrainPhase:
     def __init__(
         self,
@@ -177,6 +185,7 @@ class TrainPhase:
         attempts: int,
         stop: threading.Event | None = None,
         backoff_seconds: float = 2.0,
+        on_lost: Callable[[str, str], None] = lambda pod, reason: None,
     ) -> None:
         self._clients = clients
         self._attempts = attempts
@@ -184,16 +193,11 @@ class TrainPhase:
         """The wait before re-send k is k times this (at most 10 s)."""
         self.stop = stop or threading.Event()
         """Set when the run stops: waits between re-sends end early."""
-        self.on_lost: Callable[[str, str], None] = lambda pod, reason: None
+        self._on_lost = on_lost
         """Called with (pod id, reason) for a pod whose trainer was lost mid-step."""
 
     def trainer_info(self, address: str) -> trainer_pb2.TrainerInfo | None:
-        try:
-            return self._clients.trainer(address).Info(
-                common_pb2.InfoRequest(), timeout=self._clients.short
-            )
-        except grpc.RpcError:
-            return None
+        return trainer_info(self._clients, address)
 
     def train_pods(
         self, trainers: dict[str, str], expected: int, requests_for: RequestsFor
@@ -228,7 +232,7 @@ class TrainPhase:
                     if result.reply is None:
                         self._log_left_behind(result)
                     if result.lost and len(pods) > 1:
-                        self.on_lost(result.pod, f"train: {result.judgement.reason}")
+                        self._on_lost(result.pod, f"train: {result.judgement.reason}")
                 return self._applied(applied, expected, sends)
             failing = [r for r in results if r.judgement is not None]
             run_fail = [
@@ -246,7 +250,7 @@ class TrainPhase:
             survivors = [p for p in pods if p not in {r.pod for r in lost}]
             if lost and survivors:
                 for result in lost:
-                    self.on_lost(result.pod, f"train: {result.judgement.reason}")
+                    self._on_lost(result.pod, f"train: {result.judgement.reason}")
                 if sends >= self._attempts:
                     raise StepFailedError(
                         "train",
