@@ -6,9 +6,9 @@ through a :class:`ReplicaScaler`:
 - :class:`KubernetesScaler` (in a cluster): patches ``statefulsets/scale`` of the worker
   StatefulSet, exactly what ``kubectl scale`` does; the StatefulSet controller then starts
   or stops pods, and :class:`podrl.controller.pods.kube_watch.KubeWatch` sees them.
-- :class:`LocalScaler` (``podrl up`` / ``podrl run``): keeps the desired count and tells the
-  local launcher, which reconciles its pod process groups to it. The launcher, the REST
-  endpoint and the CLI are not wired to it yet.
+- :class:`LocalScaler` (``podrl up`` / ``podrl run``): the controller's desired count; the
+  local launcher reads it from the controller's status (``desired_replicas``) and reconciles
+  its pod process groups to it (``podrl.cli.local_cluster``).
 
 :func:`build_scaler` picks one from the environment.
 """

@@ -18,7 +18,7 @@ from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.kube_watch import KubeWatch, KubeWatchConfig
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
-from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
+from podrl.controller.pods.scaling import ReplicaScaler, build_scaler
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator
 from podrl.controller.records.recorder import StepRecorder
@@ -189,8 +189,8 @@ def build_scaling(
     ``statefulsets/scale``. Outside one: the count is held here (``controller.worker_pods``
     at start) and the local launcher follows it; the roster runs on membership alone."""
     kube = KubeWatchConfig.build()
+    scaler = build_scaler(kube, config.controller.worker_pods)
     if kube is None:
-        scaler: ReplicaScaler = LocalScaler(config.controller.worker_pods)
         return PodRoster(registry, desired_replicas=scaler.desired_replicas), scaler, None
     watch = KubeWatch(kube)
     roster = PodRoster(
@@ -198,7 +198,7 @@ def build_scaling(
         desired_replicas=lambda: watch.view().desired_replicas,
         terminating=lambda: watch.view().terminating,
     )
-    return roster, KubernetesScaler(kube), watch
+    return roster, scaler, watch
 
 
 def build_spec(config: RunConfig) -> ServiceSpec:
