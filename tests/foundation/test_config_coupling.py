@@ -278,3 +278,20 @@ def test_a_step_fits_in_one_generate(tmp_path: Path) -> None:
         "generator.max_samples_per_request",
         "1024 completions",
     )
+
+
+def test_async_mode_trains_with_the_decoupled_objective_and_token_mask(tmp_path: Path) -> None:
+    sync = _load(tmp_path, {}).trainer.off_policy
+    assert (sync.correction, sync.mask) == ("none", "none")  # sync runs are unchanged
+    async_ = _load(tmp_path, {"loop": {"mode": "async"}}).trainer.off_policy
+    assert (async_.correction, async_.mask) == ("truncate", "token")
+    chosen = _load(
+        tmp_path,
+        {"loop": {"mode": "async"}, "trainer": {"off_policy": {"correction": "none"}}},
+    ).trainer.off_policy
+    assert (chosen.correction, chosen.mask) == ("none", "token")  # a set field is kept
+    sequence = _load(
+        tmp_path,
+        {"loop": {"mode": "async"}, "trainer": {"off_policy": {"mask": "sequence"}}},
+    ).trainer.off_policy
+    assert (sequence.correction, sequence.mask) == ("truncate", "sequence")

@@ -103,6 +103,41 @@ class ReplicationConfig(Section):
         return bool(self.lighthouse_address)
 
 
+class OffPolicyConfig(Section):
+    """The objective for off-policy tokens (docs/algorithms.md, "Off-policy correction").
+
+    The behaviour weight of a token is w = exp(prox - mu): the trainer's probability of it at
+    the start of the step (the proximal policy) over the generator's (the behaviour policy).
+    """
+
+    correction: Literal["none", "truncate"] = Field(
+        "none",
+        description="none: the PPO ratio is taken against the generator's logprobs (a trust "
+        "region around the behaviour policy). truncate: the decoupled PPO objective, the ratio "
+        "against the trainer's own logprobs at the start of the step (the proximal policy) "
+        "and each token weighted by min(w, is_cap). Default: none in sync mode, truncate in "
+        "async mode (config/coupling.py).",
+    )
+    is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="Cap C of the truncated behaviour weight min(w, C) (correction: truncate).",
+    )
+    mask: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="token: a token whose w lies outside [mask_low, mask_high] gets no "
+        "policy-gradient term (IcePop); sequence: a sequence whose geometric-mean w lies "
+        "outside the band is left out whole; none: no mask. Default: none in sync mode, token "
+        "in async mode.",
+    )
+    mask_low: float = Field(
+        0.5, gt=0, le=1, description="Lower end of the band of kept behaviour weights."
+    )
+    mask_high: float = Field(
+        5.0, ge=1, description="Upper end of the band of kept behaviour weights."
+    )
+
+
 class TrainerConfig(ServiceSection):
     grpc_port: int = Field(50053, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus port (0 = off).")
@@ -264,12 +299,17 @@ class TrainerConfig(ServiceSection):
         description="Weight of the k3 KL penalty to a frozen copy of the initial "
         "model; 0 = no reference model is loaded.",
     )
+    off_policy: OffPolicyConfig = Field(
+        default_factory=OffPolicyConfig,
+        description="Correction for tokens the trainer's policy did not sample (a stale "
+        "version in async mode, a generator computing differently): the decoupled objective "
+        "and masking of extreme importance weights. Unset fields follow loop.mode (sync: none; "
+        "async: truncate + token mask).",
+    )
     tis_cap: float | None = Field(
         None,
-        gt=0,
-        description="Truncated importance sampling: weight tokens by "
-        "min(pi_trainer / pi_generator, tis_cap) and take the PPO ratio against the trainer's "
-        "own logprobs; unset = PPO ratio directly against the generator's logprobs.",
+        description="Replaced by trainer.off_policy (correction: truncate, is_cap: C); "
+        "refused when set.",
     )
     logit_temperature: float = Field(
         1.0,
@@ -319,6 +359,16 @@ class TrainerConfig(ServiceSection):
                 f"got {value}"
             )
         return value
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _refuse_tis_cap(cls, value: float | None) -> None:
+        if value is not None:
+            raise ValueError(
+                f"tis_cap was replaced by trainer.off_policy: set off_policy: {{correction: "
+                f"truncate, is_cap: {value}}} (and mask: none for the old objective exactly)"
+            )
+        return None
 
     @model_validator(mode="after")
     def _check_packing(self) -> TrainerConfig:

@@ -34,7 +34,7 @@ from podrl.trainer.batch import (
     split_for_rank,
 )
 from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
-from podrl.trainer.grad_norm import clip_grad_norm
+from podrl.trainer.grad_norm import clip_grad_norm, snapshot_parameters, update_ratio
 from podrl.trainer.logprobs import (
     ChunkKernels,
     HeadRequest,
@@ -65,7 +65,26 @@ from podrl.v1 import trainer_pb2
 log = logging.getLogger(__name__)
 
 # Metric sums all-reduced over the data-parallel ranks, in this order.
-_SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio", "clipped", "tokens", "logprob_diff")
+_SUMS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "ratio",
+    "clipped",
+    "tokens",
+    "logprob_diff",
+    "clipped_low",
+    "clipped_high",
+    "clipped_dual",
+    "is_weight",
+    "mismatch_kl",
+    "masked",
+    "truncated",
+)
+# Metric extremes all-reduced by MAX, in this order; minima travel negated (max of -x).
+_PEAKS = ("logprob_diff_max", "ratio_max", "ratio_min", "is_weight_max", "is_weight_min")
+_NEGATED_PEAKS = frozenset({"ratio_min", "is_weight_min"})
 
 
 def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:
@@ -84,10 +103,17 @@ def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:
 
 
 def _metrics(
-    values: dict[str, float], diff_max: torch.Tensor, grad_norm: float, lr: float
+    values: dict[str, float], peaks: torch.Tensor, grad_norm: float, lr: float
 ) -> trainer_pb2.TrainMetrics:
-    """The step's TrainMetrics from the batch-wide sums of ``_SUMS`` (step_seconds unset)."""
+    """The step's TrainMetrics from the batch-wide sums of ``_SUMS`` and maxima of ``_PEAKS``
+    (step_seconds and update_ratio unset)."""
     tokens = max(values["tokens"], 1.0)
+    extremes = {}
+    for name, value in zip(_PEAKS, peaks.tolist(), strict=True):
+        # A batch without completion tokens has no extremes (the reduction's -inf): report 0.
+        extremes[name] = (
+            (-value if name in _NEGATED_PEAKS else value) if math.isfinite(value) else 0.0
+        )
     return trainer_pb2.TrainMetrics(
         loss=values["loss"],
         pg_loss=values["pg_loss"],
@@ -97,9 +123,20 @@ def _metrics(
         clip_fraction=values["clipped"] / tokens,
         grad_norm=grad_norm,
         logprob_diff_mean=values["logprob_diff"] / tokens,
-        logprob_diff_max=float(diff_max.item()),
+        logprob_diff_max=extremes["logprob_diff_max"],
         tokens=int(values["tokens"]),
         learning_rate=lr,
+        clip_fraction_low=values["clipped_low"] / tokens,
+        clip_fraction_high=values["clipped_high"] / tokens,
+        clip_fraction_dual=values["clipped_dual"] / tokens,
+        ratio_min=extremes["ratio_min"],
+        ratio_max=extremes["ratio_max"],
+        is_weight_mean=values["is_weight"] / tokens,
+        is_weight_min=extremes["is_weight_min"],
+        is_weight_max=extremes["is_weight_max"],
+        is_masked_fraction=values["masked"] / tokens,
+        is_truncated_fraction=values["truncated"] / tokens,
+        mismatch_kl=values["mismatch_kl"] / tokens,
     )
 
 
@@ -158,9 +195,13 @@ class TrainerEngine:
             clip_eps_low=self.settings.clip_eps_low,
             clip_eps_high=self.settings.clip_eps_high,
             kl_coef=self.settings.kl_coef,
-            tis_cap=self.settings.tis_cap,
             dr_grpo_max_tokens=self.settings.dr_grpo_max_tokens,
             clip_ratio_c=self.settings.clip_ratio_c,
+            correction=self.settings.off_policy.correction,
+            is_cap=self.settings.off_policy.is_cap,
+            mask=self.settings.off_policy.mask,
+            mask_low=self.settings.off_policy.mask_low,
+            mask_high=self.settings.off_policy.mask_high,
         )
         # Checks that may refuse a step before any rank starts it (e.g. weights published from
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
@@ -317,7 +358,7 @@ class TrainerEngine:
         self.optimizer.zero_grad(set_to_none=True)
         failure: BaseException | None = None
         try:
-            sums, diff_max = self._forward_backward(request)
+            sums, peaks = self._forward_backward(request)
         except Exception as err:  # reported through the agreement, then raised on every rank
             failure = err
         try:
@@ -326,14 +367,15 @@ class TrainerEngine:
                 dp_group = self.mesh["dp_shard"].get_group()
                 if self.dp_size > 1:
                     dist.all_reduce(sums, group=dp_group)
-                    dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=dp_group)
+                    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=dp_group)
                 if replica is not None:  # the other pods' parts: sums and gradients add up
-                    sums, diff_max = replica.exchange(
-                        sums, diff_max, self.model.parameters(), version
-                    )
+                    sums, peaks = replica.exchange(sums, peaks, self.model.parameters(), version)
                 grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
                 # NaN/inf never reach the weights (a 3e38 advantage once made every one NaN).
                 _require_finite_step(float(sums[0]), grad_norm, version)
+                # For the update size; taken before the vote, so a rank short of memory for
+                # the copy aborts the step on every rank instead of stepping alone.
+                before = snapshot_parameters(self.model.parameters())
                 faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
             except Exception as err:
                 failure = err
@@ -348,7 +390,7 @@ class TrainerEngine:
                 f"the cross-pod commit of version {version + 1} failed (a peer pod left or a "
                 f"cross-pod operation broke); version {version} is unchanged on this pod"
             )
-        metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), diff_max, grad_norm, lr)
+        metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), peaks, grad_norm, lr)
         # The commit: from here to the version bump nothing may fail between ranks.
         self.optimizer.step()
         new_version = self.train_state.advance()
@@ -357,6 +399,9 @@ class TrainerEngine:
             metrics=metrics, policy_version=new_version, step=new_version
         )
         try:
+            # First: a collective every rank reaches (a fault below hits one rank only).
+            response.metrics.update_ratio = update_ratio(self.model.parameters(), before)
+            del before
             faults.hit("trainer.after_optimizer_step", rank=self.env.rank, version=new_version)
             self.optimizer.zero_grad(set_to_none=True)
         except Exception:
@@ -409,8 +454,8 @@ class TrainerEngine:
         self, request: trainer_pb2.TrainRequest
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's forward and backward passes over its share of the batch: gradients
-        accumulate in the parameters; the metric sums ``_SUMS`` and the largest logprob gap of
-        this rank are returned (not yet reduced over ranks)."""
+        accumulate in the parameters; the metric sums ``_SUMS`` and maxima ``_PEAKS`` of this
+        rank are returned (not yet reduced over ranks)."""
         sequences = list(request.sequences)
         # The whole batch's counts: a pod's share divides by them too (its gradient is a part).
         totals = share_totals(request)
@@ -424,7 +469,7 @@ class TrainerEngine:
         )
         self.model.train()
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
-        diff_max = torch.zeros(1, dtype=torch.float64, device=self.device)
+        peaks = torch.full((len(_PEAKS),), -math.inf, dtype=torch.float64, device=self.device)
         # Every micro-batch goes to the device before the first forward: a copy from pageable
         # host memory issued between micro-batches can wait for the previous backward.
         batches = [
@@ -468,11 +513,27 @@ class TrainerEngine:
                         terms.clipped_tokens,
                         terms.tokens,
                         diff.sum(),
+                        terms.clipped_low,
+                        terms.clipped_high,
+                        terms.clipped_dual,
+                        terms.weight_sum,
+                        terms.mismatch_kl_sum,
+                        terms.masked_tokens,
+                        terms.truncated_tokens,
                     ]
                 ).to(torch.float64)
-                diff_max = torch.maximum(diff_max, diff.max().to(torch.float64).reshape(1))
+                step_peaks = torch.stack(
+                    [
+                        diff.max(),
+                        terms.ratio_max,
+                        -terms.ratio_min,
+                        terms.weight_max,
+                        -terms.weight_min,
+                    ]
+                ).to(torch.float64)
+                peaks = torch.maximum(peaks, step_peaks)
             del logprobs, entropy, terms
-        return sums, diff_max
+        return sums, peaks
 
     def _agree(self, failure: BaseException | None, version: int, phase: str) -> None:
         """Every rank: go on only if no rank failed ``phase``; otherwise drop the gradients and

@@ -1,4 +1,5 @@
-"""Global gradient norm and clipping over DTensor gradients on any mesh.
+"""Global gradient norm and clipping over DTensor gradients on any mesh, and the relative size
+of an optimizer step's update.
 
 ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when parameters live
 on different meshes (FSDP-only parameters on the dp mesh, FSDP+TP ones on the 2-D mesh). Here
@@ -63,3 +64,42 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
         for (device, dtype), tensors in by_kind.items():
             torch._foreach_mul_(tensors, coef.to(device, dtype))
     return norm
+
+
+@torch.no_grad()
+def snapshot_parameters(parameters: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """fp32 copies of this rank's shards of the trainable parameters (for :func:`update_ratio`;
+    fp32 because a step of lr 1e-6 is below bf16's resolution of a weight)."""
+    return [
+        _local(param).to(torch.float32, copy=True) for param in parameters if param.requires_grad
+    ]
+
+
+@torch.no_grad()
+def update_ratio(parameters: Iterable[torch.nn.Parameter], before: list[torch.Tensor]) -> float:
+    """||theta - before|| / ||theta|| over all trainable parameters as full tensors (every rank,
+    a collective): the relative size of the step since :func:`snapshot_parameters`. Each local
+    shard adds its squared sums, all-reduced over the mesh dimensions on which its parameter is
+    sharded (never over replicated ones), as :func:`global_grad_norm` does."""
+    params = [param for param in parameters if param.requires_grad]
+    grouped: dict[tuple | None, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for param, old in zip(params, before, strict=True):
+        key = (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        now, then = grouped.setdefault(key, ([], []))
+        now.append(_local(param).to(torch.float32))
+        then.append(old)
+    total = torch.zeros(2, dtype=torch.float32)
+    for key, (now, then) in grouped.items():
+        sums = torch.stack([_sum_of_squares(torch._foreach_sub(now, then)), _sum_of_squares(now)])
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if placement.is_shard():
+                    dist.all_reduce(sums, group=mesh.get_group(dim))
+        total = total.to(sums.device) + sums
+    delta, norm = total.sqrt().tolist()
+    return delta / norm if norm > 0 else 0.0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()

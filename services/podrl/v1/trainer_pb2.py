@@ -26,55 +26,55 @@ from podrl.v1 import common_pb2 as podrl_dot_v1_dot_common__pb2
 from podrl.v1 import weights_pb2 as podrl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/trainer.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"\x95\x01\n\rTrainSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x11\n\tadvantage\x18\x05 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\"\xbf\x01\n\x0cTrainRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.podrl.v1.TrainSequence\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\t\x12\x18\n\x10global_sequences\x18\x04 \x01(\x04\x12 \n\x18global_completion_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04pods\x18\x06 \x01(\r\x12\x0f\n\x07pod_ids\x18\x07 \x03(\t\"\xfa\x01\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07pg_loss\x18\x02 \x01(\x01\x12\n\n\x02kl\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x04 \x01(\x01\x12\x12\n\nratio_mean\x18\x05 \x01(\x01\x12\x15\n\rclip_fraction\x18\x06 \x01(\x01\x12\x11\n\tgrad_norm\x18\x07 \x01(\x01\x12\x19\n\x11logprob_diff_mean\x18\x08 \x01(\x01\x12\x18\n\x10logprob_diff_max\x18\t \x01(\x01\x12\x0e\n\x06tokens\x18\n \x01(\x04\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\"^\n\rTrainResponse\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.podrl.v1.TrainMetrics\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x15PublishWeightsRequest\x12\x12\n\nforce_full\x18\x01 \x01(\x08\"D\n\x16PublishWeightsResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\"B\n\x19\x41\x63knowledgeWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cgenerator_id\x18\x02 \x01(\t\"\x1c\n\x1a\x41\x63knowledgeWeightsResponse\"?\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x18\n\x10\x63ontroller_state\x18\x02 \x01(\x0c\"L\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"X\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10\x63ontroller_state\x18\x03 \x01(\x0c\"\x1f\n\x0f\x45xportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"/\n\x10\x45xportHFResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t\"A\n\x08MeshInfo\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\xe1\x01\n\x0bTrainerInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12 \n\x04mesh\x18\x06 \x01(\x0b\x32\x12.podrl.v1.MeshInfo\x12\x15\n\rlast_batch_id\x18\x07 \x01(\t\x12+\n\nlast_train\x18\x08 \x01(\x0b\x32\x17.podrl.v1.TrainResponse\"\x19\n\x17ParametersDigestRequest\"P\n\x18ParametersDigestResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\",\n\x0bRankCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"o\n\tRankReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12+\n\nerror_kind\x18\x03 \x01(\x0e\x32\x17.podrl.v1.RankErrorKind\x12\x15\n\rerror_message\x18\x04 \x01(\t*\xb6\x01\n\rRankErrorKind\x12\x1c\n\x18RANK_ERROR_KIND_INTERNAL\x10\x00\x12#\n\x1fRANK_ERROR_KIND_INVALID_REQUEST\x10\x01\x12\x1b\n\x17RANK_ERROR_KIND_NOT_NOW\x10\x02\x12#\n\x1fRANK_ERROR_KIND_NON_FINITE_STEP\x10\x03\x12 \n\x1cRANK_ERROR_KIND_STEP_ABORTED\x10\x04\x32\xf7\x04\n\x07Trainer\x12\x38\n\x05Train\x12\x16.podrl.v1.TrainRequest\x1a\x17.podrl.v1.TrainResponse\x12S\n\x0ePublishWeights\x12\x1f.podrl.v1.PublishWeightsRequest\x1a .podrl.v1.PublishWeightsResponse\x12_\n\x12\x41\x63knowledgeWeights\x12#.podrl.v1.AcknowledgeWeightsRequest\x1a$.podrl.v1.AcknowledgeWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.podrl.v1.SaveCheckpointRequest\x1a .podrl.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.podrl.v1.LoadCheckpointRequest\x1a .podrl.v1.LoadCheckpointResponse\x12\x41\n\x08\x45xportHF\x12\x19.podrl.v1.ExportHFRequest\x1a\x1a.podrl.v1.ExportHFResponse\x12\x34\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x15.podrl.v1.TrainerInfo\x12Y\n\x10ParametersDigest\x12!.podrl.v1.ParametersDigestRequest\x1a\".podrl.v1.ParametersDigestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16podrl/v1/trainer.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"\x95\x01\n\rTrainSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x11\n\tadvantage\x18\x05 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\"\xbf\x01\n\x0cTrainRequest\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.podrl.v1.TrainSequence\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\t\x12\x18\n\x10global_sequences\x18\x04 \x01(\x04\x12 \n\x18global_completion_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04pods\x18\x06 \x01(\r\x12\x0f\n\x07pod_ids\x18\x07 \x03(\t\"\x9f\x04\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07pg_loss\x18\x02 \x01(\x01\x12\n\n\x02kl\x18\x03 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x04 \x01(\x01\x12\x12\n\nratio_mean\x18\x05 \x01(\x01\x12\x15\n\rclip_fraction\x18\x06 \x01(\x01\x12\x11\n\tgrad_norm\x18\x07 \x01(\x01\x12\x19\n\x11logprob_diff_mean\x18\x08 \x01(\x01\x12\x18\n\x10logprob_diff_max\x18\t \x01(\x01\x12\x0e\n\x06tokens\x18\n \x01(\x04\x12\x15\n\rlearning_rate\x18\x0b \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x0c \x01(\x01\x12\x19\n\x11\x63lip_fraction_low\x18\r \x01(\x01\x12\x1a\n\x12\x63lip_fraction_high\x18\x0e \x01(\x01\x12\x1a\n\x12\x63lip_fraction_dual\x18\x0f \x01(\x01\x12\x11\n\tratio_min\x18\x10 \x01(\x01\x12\x11\n\tratio_max\x18\x11 \x01(\x01\x12\x16\n\x0eis_weight_mean\x18\x12 \x01(\x01\x12\x15\n\ris_weight_min\x18\x13 \x01(\x01\x12\x15\n\ris_weight_max\x18\x14 \x01(\x01\x12\x1a\n\x12is_masked_fraction\x18\x15 \x01(\x01\x12\x1d\n\x15is_truncated_fraction\x18\x16 \x01(\x01\x12\x13\n\x0bmismatch_kl\x18\x17 \x01(\x01\x12\x14\n\x0cupdate_ratio\x18\x18 \x01(\x01\"^\n\rTrainResponse\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x16.podrl.v1.TrainMetrics\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\"+\n\x15PublishWeightsRequest\x12\x12\n\nforce_full\x18\x01 \x01(\x08\"D\n\x16PublishWeightsResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\"B\n\x19\x41\x63knowledgeWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cgenerator_id\x18\x02 \x01(\t\"\x1c\n\x1a\x41\x63knowledgeWeightsResponse\"?\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x18\n\x10\x63ontroller_state\x18\x02 \x01(\x0c\"L\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"X\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x18\n\x10\x63ontroller_state\x18\x03 \x01(\x0c\"\x1f\n\x0f\x45xportHFRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"/\n\x10\x45xportHFResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t\"A\n\x08MeshInfo\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x11\n\tdim_names\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\"\xe1\x01\n\x0bTrainerInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12 \n\x04mesh\x18\x06 \x01(\x0b\x32\x12.podrl.v1.MeshInfo\x12\x15\n\rlast_batch_id\x18\x07 \x01(\t\x12+\n\nlast_train\x18\x08 \x01(\x0b\x32\x17.podrl.v1.TrainResponse\"\x19\n\x17ParametersDigestRequest\"P\n\x18ParametersDigestResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\",\n\x0bRankCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"o\n\tRankReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12+\n\nerror_kind\x18\x03 \x01(\x0e\x32\x17.podrl.v1.RankErrorKind\x12\x15\n\rerror_message\x18\x04 \x01(\t*\xb6\x01\n\rRankErrorKind\x12\x1c\n\x18RANK_ERROR_KIND_INTERNAL\x10\x00\x12#\n\x1fRANK_ERROR_KIND_INVALID_REQUEST\x10\x01\x12\x1b\n\x17RANK_ERROR_KIND_NOT_NOW\x10\x02\x12#\n\x1fRANK_ERROR_KIND_NON_FINITE_STEP\x10\x03\x12 \n\x1cRANK_ERROR_KIND_STEP_ABORTED\x10\x04\x32\xf7\x04\n\x07Trainer\x12\x38\n\x05Train\x12\x16.podrl.v1.TrainRequest\x1a\x17.podrl.v1.TrainResponse\x12S\n\x0ePublishWeights\x12\x1f.podrl.v1.PublishWeightsRequest\x1a .podrl.v1.PublishWeightsResponse\x12_\n\x12\x41\x63knowledgeWeights\x12#.podrl.v1.AcknowledgeWeightsRequest\x1a$.podrl.v1.AcknowledgeWeightsResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.podrl.v1.SaveCheckpointRequest\x1a .podrl.v1.SaveCheckpointResponse\x12S\n\x0eLoadCheckpoint\x12\x1f.podrl.v1.LoadCheckpointRequest\x1a .podrl.v1.LoadCheckpointResponse\x12\x41\n\x08\x45xportHF\x12\x19.podrl.v1.ExportHFRequest\x1a\x1a.podrl.v1.ExportHFResponse\x12\x34\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x15.podrl.v1.TrainerInfo\x12Y\n\x10ParametersDigest\x12!.podrl.v1.ParametersDigestRequest\x1a\".podrl.v1.ParametersDigestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'podrl.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RANKERRORKIND']._serialized_start=1909
-  _globals['_RANKERRORKIND']._serialized_end=2091
+  _globals['_RANKERRORKIND']._serialized_start=2202
+  _globals['_RANKERRORKIND']._serialized_end=2384
   _globals['_TRAINSEQUENCE']._serialized_start=84
   _globals['_TRAINSEQUENCE']._serialized_end=233
   _globals['_TRAINREQUEST']._serialized_start=236
   _globals['_TRAINREQUEST']._serialized_end=427
   _globals['_TRAINMETRICS']._serialized_start=430
-  _globals['_TRAINMETRICS']._serialized_end=680
-  _globals['_TRAINRESPONSE']._serialized_start=682
-  _globals['_TRAINRESPONSE']._serialized_end=776
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=778
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=821
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=823
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=891
-  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_start=893
-  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_end=959
-  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_start=961
-  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_end=989
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=991
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1054
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1056
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1132
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1134
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1171
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1173
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1261
-  _globals['_EXPORTHFREQUEST']._serialized_start=1263
-  _globals['_EXPORTHFREQUEST']._serialized_end=1294
-  _globals['_EXPORTHFRESPONSE']._serialized_start=1296
-  _globals['_EXPORTHFRESPONSE']._serialized_end=1343
-  _globals['_MESHINFO']._serialized_start=1345
-  _globals['_MESHINFO']._serialized_end=1410
-  _globals['_TRAINERINFO']._serialized_start=1413
-  _globals['_TRAINERINFO']._serialized_end=1638
-  _globals['_PARAMETERSDIGESTREQUEST']._serialized_start=1640
-  _globals['_PARAMETERSDIGESTREQUEST']._serialized_end=1665
-  _globals['_PARAMETERSDIGESTRESPONSE']._serialized_start=1667
-  _globals['_PARAMETERSDIGESTRESPONSE']._serialized_end=1747
-  _globals['_RANKCOMMAND']._serialized_start=1749
-  _globals['_RANKCOMMAND']._serialized_end=1793
-  _globals['_RANKREPLY']._serialized_start=1795
-  _globals['_RANKREPLY']._serialized_end=1906
-  _globals['_TRAINER']._serialized_start=2094
-  _globals['_TRAINER']._serialized_end=2725
+  _globals['_TRAINMETRICS']._serialized_end=973
+  _globals['_TRAINRESPONSE']._serialized_start=975
+  _globals['_TRAINRESPONSE']._serialized_end=1069
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1071
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1114
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1116
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1184
+  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_start=1186
+  _globals['_ACKNOWLEDGEWEIGHTSREQUEST']._serialized_end=1252
+  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_start=1254
+  _globals['_ACKNOWLEDGEWEIGHTSRESPONSE']._serialized_end=1282
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1284
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1347
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1349
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1425
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1427
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1464
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1466
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1554
+  _globals['_EXPORTHFREQUEST']._serialized_start=1556
+  _globals['_EXPORTHFREQUEST']._serialized_end=1587
+  _globals['_EXPORTHFRESPONSE']._serialized_start=1589
+  _globals['_EXPORTHFRESPONSE']._serialized_end=1636
+  _globals['_MESHINFO']._serialized_start=1638
+  _globals['_MESHINFO']._serialized_end=1703
+  _globals['_TRAINERINFO']._serialized_start=1706
+  _globals['_TRAINERINFO']._serialized_end=1931
+  _globals['_PARAMETERSDIGESTREQUEST']._serialized_start=1933
+  _globals['_PARAMETERSDIGESTREQUEST']._serialized_end=1958
+  _globals['_PARAMETERSDIGESTRESPONSE']._serialized_start=1960
+  _globals['_PARAMETERSDIGESTRESPONSE']._serialized_end=2040
+  _globals['_RANKCOMMAND']._serialized_start=2042
+  _globals['_RANKCOMMAND']._serialized_end=2086
+  _globals['_RANKREPLY']._serialized_start=2088
+  _globals['_RANKREPLY']._serialized_end=2199
+  _globals['_TRAINER']._serialized_start=2387
+  _globals['_TRAINER']._serialized_end=3018
 # @@protoc_insertion_point(module_scope)

@@ -57,7 +57,7 @@ class TrainRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., policy_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., global_sequences: _Optional[int] = ..., global_completion_tokens: _Optional[int] = ..., pods: _Optional[int] = ..., pod_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "learning_rate", "step_seconds")
+    __slots__ = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "learning_rate", "step_seconds", "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "ratio_min", "ratio_max", "is_weight_mean", "is_weight_min", "is_weight_max", "is_masked_fraction", "is_truncated_fraction", "mismatch_kl", "update_ratio")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PG_LOSS_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,18 @@ class TrainMetrics(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_HIGH_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_DUAL_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_MIN_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
+    IS_MASKED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    IS_TRUNCATED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_KL_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RATIO_FIELD_NUMBER: _ClassVar[int]
     loss: float
     pg_loss: float
     kl: float
@@ -82,7 +94,19 @@ class TrainMetrics(_message.Message):
     tokens: int
     learning_rate: float
     step_seconds: float
-    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., grad_norm: _Optional[float] = ..., logprob_diff_mean: _Optional[float] = ..., logprob_diff_max: _Optional[float] = ..., tokens: _Optional[int] = ..., learning_rate: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    clip_fraction_low: float
+    clip_fraction_high: float
+    clip_fraction_dual: float
+    ratio_min: float
+    ratio_max: float
+    is_weight_mean: float
+    is_weight_min: float
+    is_weight_max: float
+    is_masked_fraction: float
+    is_truncated_fraction: float
+    mismatch_kl: float
+    update_ratio: float
+    def __init__(self, loss: _Optional[float] = ..., pg_loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., grad_norm: _Optional[float] = ..., logprob_diff_mean: _Optional[float] = ..., logprob_diff_max: _Optional[float] = ..., tokens: _Optional[int] = ..., learning_rate: _Optional[float] = ..., step_seconds: _Optional[float] = ..., clip_fraction_low: _Optional[float] = ..., clip_fraction_high: _Optional[float] = ..., clip_fraction_dual: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_min: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_masked_fraction: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., mismatch_kl: _Optional[float] = ..., update_ratio: _Optional[float] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("metrics", "policy_version", "step")
