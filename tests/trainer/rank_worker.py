@@ -69,6 +69,17 @@ def _metrics(reply: trainer_pb2.TrainResponse) -> dict[str, float]:
         "logprob_diff_mean": m.logprob_diff_mean,
         "logprob_diff_max": m.logprob_diff_max,
         "tokens": m.tokens,
+        "clip_fraction_low": m.clip_fraction_low,
+        "clip_fraction_high": m.clip_fraction_high,
+        "clip_fraction_dual": m.clip_fraction_dual,
+        "ratio_min": m.ratio_min,
+        "ratio_max": m.ratio_max,
+        "is_weight_mean": m.is_weight_mean,
+        "is_weight_min": m.is_weight_min,
+        "is_weight_max": m.is_weight_max,
+        "is_masked_fraction": m.is_masked_fraction,
+        "mismatch_kl": m.mismatch_kl,
+        "update_ratio": m.update_ratio,
     }
 
 
