@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from podrl.trainer.batch import BatchError
 from podrl.v1 import trainer_pb2
-from podrl.weights.errors import PublishError
+from podrl.weights.errors import AcknowledgeError, PublishError
 
 ErrorKind = trainer_pb2.RankErrorKind.ValueType
 
@@ -35,6 +35,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (BatchError, trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST),
     (TrainNotAllowedError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
     (PublishError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
+    (AcknowledgeError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
     (NonFiniteStepError, trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP),
     (StepAbortedError, trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED),
 )

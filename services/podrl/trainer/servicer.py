@@ -208,8 +208,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def AcknowledgeWeights(
         self, request: trainer_pb2.AcknowledgeWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.AcknowledgeWeightsResponse:
-        with self._lock:
-            self._run(ACKNOWLEDGE_WEIGHTS, request, context)
+        try:
+            with self._lock:
+                self._loop.run(ACKNOWLEDGE_WEIGHTS, request.SerializeToString())
+        except RankCommandError as err:
+            if err.kind == trainer_pb2.RANK_ERROR_KIND_NOT_NOW:
+                # Every rank refuses alike an acknowledgement of a version that is not pending.
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"AcknowledgeWeightsRequest.{err.first_message}",
+                )
+            log.error("%s", err)
+            context.abort(_STATUS[err.kind], str(err))
         return trainer_pb2.AcknowledgeWeightsResponse()
 
     def ParametersDigest(

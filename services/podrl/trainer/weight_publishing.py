@@ -4,7 +4,8 @@
 (:class:`~podrl.weights.Publisher` ``start``, over ``engine.model``), the ranks' protobuf bytes
 are gathered to rank 0 over the model's process group (no pickle) and rank 0 assembles the
 manifest (``update``), which is its reply (``PublishWeightsResponse``). ``acknowledge_weights``
-finishes the published version on every rank (``finish``).
+finishes the published version on every rank (``finish``); an acknowledgement of another
+version (never published, or not the pending one) is FAILED_PRECONDITION and releases nothing.
 
 On GPUs the FSDP2 parameters are published in place, so a Train is refused up front
 (FAILED_PRECONDITION) while a published version is unacknowledged, and an optimizer pre-step
@@ -135,7 +136,13 @@ class WeightPublishing:
         raise PublishError(non_finite_message(version, named))
 
     def acknowledge(self, payload: bytes) -> bytes:
+        """Every rank: release the pending version; raises AcknowledgeError (every rank alike:
+        the ranks publish and acknowledge together) for any version but the pending one, a
+        repeat of the last acknowledged one, or, with nothing pending, the version the trainer
+        holds (the controller's align acknowledges it after a restart of either side)."""
         request = trainer_pb2.AcknowledgeWeightsRequest.FromString(payload)
+        if self.publisher.pending_version is None and request.version == self.engine.policy_version:
+            return b""
         self.publisher.finish(request.version)
         return b""
 

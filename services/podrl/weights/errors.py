@@ -61,3 +61,8 @@ class ManifestError(ValueError):
 
 class PublishError(RuntimeError):
     """The trainer cannot publish now (e.g. the previous version is not acknowledged yet)."""
+
+
+class AcknowledgeError(RuntimeError):
+    """An acknowledgement of a version that is not the pending one (never published, or not
+    the one awaiting its acknowledgement); nothing was released."""

@@ -38,7 +38,7 @@ import podrl.weights.cuda_ipc as cuda_ipc
 import podrl.weights.manifest as manifest
 import podrl.weights.shm as shm
 from podrl.v1 import weights_pb2
-from podrl.weights.errors import PublishError
+from podrl.weights.errors import AcknowledgeError, PublishError
 from podrl.weights.finite import first_non_finite
 from podrl.weights.keys import WeightsKey
 from podrl.weights.lifecycle import Publisher, RankPublication
@@ -213,6 +213,7 @@ class WeightPublisher(Publisher):
         self._local: list[manifest.LocalShard] = []
         self._shards: list[weights_pb2.TensorShard] = []
         self._pending: int | None = None
+        self._last_acknowledged: int | None = None
         self._acked = threading.Condition()
         shm.reap_orphaned_segments()
 
@@ -310,11 +311,27 @@ class WeightPublisher(Publisher):
     # -- finish: the acknowledgement -----------------------------------------------------------
 
     def finish(self, version: int) -> None:
-        """The generator(s) applied ``version`` (or a later one): storage may change again."""
+        """The generator(s) applied ``version``, the pending one: storage may change again.
+
+        A repeat of the last acknowledged version (a retry whose first reply was lost) is
+        answered and releases nothing. Any other version raises :class:`AcknowledgeError`
+        naming the pending one, and nothing is released: an acknowledgement of a version that
+        was never published must not let the trainer overwrite weights a generator may still
+        be reading."""
         with self._acked:
-            if self._pending is not None and version >= self._pending:
+            if self._pending is not None and version == self._pending:
                 self._pending = None
+                self._last_acknowledged = version
                 self._acked.notify_all()
+                return
+            if version == self._last_acknowledged:
+                return
+            pending = "none" if self._pending is None else str(self._pending)
+            raise AcknowledgeError(
+                f"version: {version} is not the pending version (pending: {pending}, last "
+                f"acknowledged: {self._last_acknowledged}); acknowledge the version "
+                "PublishWeights returned, after its ApplyWeights"
+            )
 
     def wait_for_acknowledgement(self, timeout: float | None = None) -> bool:
         """Block until no version is pending; False on timeout. GPU trainers call this before
