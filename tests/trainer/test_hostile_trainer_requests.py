@@ -1,12 +1,17 @@
 """Hostile requests with the controller's credentials against the real trainer service
-(`python -m podrl.trainer`, 2 FSDP2 gloo ranks): acknowledgements of versions that
-are not pending refused."""
+(`python -m podrl.trainer`, 2 FSDP2 gloo ranks): file RPCs confined to the run directory,
+acknowledgements of versions that are not pending refused."""
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 import grpc
 import pytest
 
+from podrl.trainer import checkpoint
 from podrl.v1 import common_pb2, trainer_pb2
 from tests.trainer.rank_worker import make_request
 from tests.trainer.service_process import trainer_service
@@ -27,6 +32,77 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         call()
     return err.value.code(), err.value.details()
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_file_rpcs_are_confined_to_the_run_dir(service) -> None:
+    """SaveCheckpoint, LoadCheckpoint and ExportHF with paths outside the run directory
+    (absolute, a ``..`` escape, a symlink inside the run directory pointing out, the trainer's
+    /proc/self/cwd) are INVALID_ARGUMENT naming the field and the root, and create nothing."""
+    _, stub, run_dir, tmp = service
+    outside = tmp / "outside"
+    outside.mkdir()
+    (outside / "precious.safetensors").write_bytes(b"user data")
+    (run_dir / "link").symlink_to(outside, target_is_directory=True)
+    depth = len(Path(os.path.relpath(run_dir, "/")).parts)
+    escapes = {
+        "absolute": str(outside / "x"),
+        "dot-dot": str(run_dir / ".." / "outside" / "x"),
+        "relative": "../" * (depth + 3) + str(outside / "x").lstrip("/"),
+        "symlink": str(run_dir / "link" / "x"),
+        "proc-cwd": "/proc/self/cwd/podrl-escape-x",
+        "the run dir itself": str(run_dir),
+        "a NUL byte": str(run_dir / "a\0b"),
+    }
+    before = _tree(outside)
+    cwd_before = sorted(os.listdir(os.getcwd()))
+    calls = {
+        "SaveCheckpointRequest.path": lambda p: stub.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path=p), timeout=60
+        ),
+        "ExportHFRequest.path": lambda p: stub.ExportHF(
+            trainer_pb2.ExportHFRequest(path=p), timeout=60
+        ),
+        "LoadCheckpointRequest.path": lambda p: stub.LoadCheckpoint(
+            trainer_pb2.LoadCheckpointRequest(path=p), timeout=60
+        ),
+    }
+    for field, call in calls.items():
+        for name, path in escapes.items():
+            code, details = _code(lambda c=call, p=path: c(p))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, name, details)
+            assert details.startswith(field), (name, details)
+            if name != "a NUL byte":
+                assert f"run_dir ({run_dir.resolve()})" in details, (name, details)
+    assert _tree(outside) == before  # nothing created, nothing deleted
+    assert sorted(os.listdir(os.getcwd())) == cwd_before
+    # A real checkpoint outside is not loaded either.
+    saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+    shutil.copytree(saved.path, outside / "ckpt")
+    code, _ = _code(
+        lambda: stub.LoadCheckpoint(
+            trainer_pb2.LoadCheckpointRequest(path=str(outside / "ckpt")), timeout=60
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    # A save never replaces a folder that is not a checkpoint (the checkpoint directory here).
+    code, details = _code(
+        lambda: stub.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path=str(run_dir / "checkpoints")), timeout=60
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a podrl checkpoint" in details
+    assert checkpoint.is_checkpoint(Path(saved.path))
+    # Paths under the run directory work, relative ones against the working directory.
+    mine = stub.SaveCheckpoint(
+        trainer_pb2.SaveCheckpointRequest(path=os.path.relpath(run_dir / "mine" / "ckpt")),
+        timeout=120,
+    )
+    assert mine.path == str((run_dir / "mine" / "ckpt").resolve())
+    stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=mine.path), timeout=120)
 
 
 def test_acknowledgements_of_versions_not_pending_are_refused(service) -> None:

@@ -329,7 +329,8 @@ class TrainerConfig(ServiceSection):
     checkpoint_dir: Path | None = Field(
         None,
         description="Where SaveCheckpoint writes when the request names no path; unset "
-        "= <run_dir>/checkpoints.",
+        "= <run_dir>/checkpoints. SaveCheckpoint and LoadCheckpoint accept paths under it or "
+        "under run_dir only (docs/trainer.md).",
     )
     checkpoint_keep_latest: int = Field(
         3,
@@ -340,7 +341,7 @@ class TrainerConfig(ServiceSection):
     export_dir: Path | None = Field(
         None,
         description="Where ExportHF writes when the request names no path; unset = "
-        "<run_dir>/exports.",
+        "<run_dir>/exports. ExportHF accepts paths under it or under run_dir only.",
     )
 
     @property

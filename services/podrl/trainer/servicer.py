@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 
 import podrl
 from podrl.config import RunConfig
-from podrl.trainer import checkpoint, command_table
+from podrl.trainer import checkpoint, command_table, paths
 from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
@@ -139,23 +139,58 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _default_dir(self, configured: Path | None, name: str) -> Path:
         return Path(configured) if configured else Path(self._config.run_dir) / name
 
+    def _roots(self, configured_field: str) -> list[tuple[str, Path]]:
+        """The folders a file RPC may use: the run directory, and the folder the config field
+        ``trainer.<configured_field>`` names when it is set."""
+        roots = [("run_dir", Path(self._config.run_dir))]
+        configured = getattr(self._config.trainer, configured_field)
+        if configured:
+            roots.append((f"trainer.{configured_field}", Path(configured)))
+        return roots
+
+    def _confined(
+        self,
+        requested: str | Path,
+        configured_field: str,
+        field: str,
+        context: grpc.ServicerContext,
+    ) -> Path:
+        """``requested``'s real path under an allowed root, or INVALID_ARGUMENT naming
+        ``field`` and the roots (podrl.trainer.paths)."""
+        try:
+            return paths.confined(requested, self._roots(configured_field), field)
+        except paths.PathNotAllowedError as err:
+            log.warning("refused %s", err)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
         directory = self._default_dir(self._config.trainer.checkpoint_dir, "checkpoints")
         with self._lock:
-            path = (
-                Path(request.path)
-                if request.path
-                else directory / checkpoint.step_folder_name(self._engine.policy_version)
-            ).absolute()
+            path = self._confined(
+                request.path
+                or directory / checkpoint.step_folder_name(self._engine.policy_version),
+                "checkpoint_dir",
+                "SaveCheckpointRequest.path",
+                context,
+            )
+            if path.exists() and not (
+                checkpoint.is_checkpoint(path) or (path.is_dir() and not any(path.iterdir()))
+            ):
+                # Saving replaces the folder whole: only an older checkpoint may be replaced.
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"SaveCheckpointRequest.path: {path} exists and is not a podrl checkpoint "
+                    "(a save replaces the folder whole); name a new folder",
+                )
             resolved = trainer_pb2.SaveCheckpointRequest(
                 path=str(path), controller_state=request.controller_state
             )
             reply = self._run(command_table.SAVE_CHECKPOINT, resolved, context)
             if not request.path:  # retention covers the folders the trainer names itself
                 removed = checkpoint.prune(
-                    directory.absolute(),
+                    paths.real_path(directory),
                     self._config.trainer.checkpoint_keep_latest,
                     keep_path=path,
                 )
@@ -168,7 +203,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.LoadCheckpointResponse:
         if not request.path:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadCheckpointRequest.path is empty")
-        path = Path(request.path).absolute()
+        path = self._confined(request.path, "checkpoint_dir", "LoadCheckpointRequest.path", context)
         if not checkpoint.is_checkpoint(path):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -183,11 +218,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def ExportHF(
         self, request: trainer_pb2.ExportHFRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.ExportHFResponse:
-        path = request.path or str(
-            self._default_dir(self._config.trainer.export_dir, "exports")
-            / f"version-{self._engine.policy_version:08d}"
+        path = self._confined(
+            request.path
+            or self._default_dir(self._config.trainer.export_dir, "exports")
+            / f"version-{self._engine.policy_version:08d}",
+            "export_dir",
+            "ExportHFRequest.path",
+            context,
         )
-        resolved = trainer_pb2.ExportHFRequest(path=str(Path(path).absolute()))
+        resolved = trainer_pb2.ExportHFRequest(path=str(path))
         with self._lock:
             reply = self._run(command_table.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
