@@ -135,3 +135,27 @@ def test_export_of_a_step_that_has_no_checkpoint_names_the_ones_there(
     assert "step-00000002" in capsys.readouterr().err
     with pytest.raises(ExportError, match="not a complete podrl checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+
+
+def test_export_never_destroys_files_in_its_target(
+    trained_run: Path, offline_export: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A target holding the user's files is refused (exit 2, nothing touched) unless
+    --overwrite; then the export's files are written and every other file is kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    user = {"precious.safetensors": b"user weights", "notes.txt": b"notes", "config.json": b"{}"}
+    for name, data in user.items():
+        (out / name).write_bytes(data)
+    assert podrl_main(["export", str(trained_run), str(out)]) == 2
+    assert "is not empty (config.json, notes.txt, precious.safetensors)" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == user
+    assert podrl_main(["export", str(trained_run), str(out), "--overwrite"]) == 0
+    assert "kept files the export did not write" in capsys.readouterr().out
+    assert (out / "precious.safetensors").read_bytes() == b"user weights"
+    assert (out / "notes.txt").read_bytes() == b"notes"
+    written = {p.name for p in offline_export.iterdir()}
+    assert written <= {p.name for p in out.iterdir()}
+    for name in written:  # the export's files, config.json included, are the export's
+        assert (out / name).read_bytes() == (offline_export / name).read_bytes(), name
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".export")]  # staging gone

@@ -1,9 +1,11 @@
 """Hostile requests with the controller's credentials against the real trainer service
 (`python -m podrl.trainer`, 2 FSDP2 gloo ranks): file RPCs confined to the run directory,
-acknowledgements of versions that are not pending refused."""
+exports that never delete files podrl did not write, acknowledgements of versions that are
+not pending refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +14,7 @@ import grpc
 import pytest
 
 from podrl.trainer import checkpoint
+from podrl.trainer.export import EXPORT_RECORD
 from podrl.v1 import common_pb2, trainer_pb2
 from tests.trainer.rank_worker import make_request
 from tests.trainer.service_process import trainer_service
@@ -103,6 +106,37 @@ def test_file_rpcs_are_confined_to_the_run_dir(service) -> None:
     )
     assert mine.path == str((run_dir / "mine" / "ckpt").resolve())
     stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=mine.path), timeout=120)
+
+
+def test_exports_never_delete_files_podrl_did_not_write(service) -> None:
+    """ExportHF into a folder holding a user's files is refused and leaves them; a second
+    export into the folder of a first replaces its files and deletes only a file the first
+    one wrote that the second does not."""
+    _, stub, run_dir, _ = service
+    user = run_dir / "user-folder"
+    user.mkdir()
+    files = {"precious.safetensors": b"weights", "notes.txt": b"notes", "config.json": b"{}"}
+    for name, data in files.items():
+        (user / name).write_bytes(data)
+    code, details = _code(
+        lambda: stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(user)), timeout=120)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert "config.json, notes.txt, precious.safetensors" in details
+    assert {p.name: p.read_bytes() for p in user.iterdir()} == files
+
+    target = run_dir / "exported"
+    first = stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(target)), timeout=120)
+    assert "model.safetensors" in first.files and "config.json" in first.files
+    # As if the first export had written a second shard the next one does not write.
+    stale = "model-00002-of-00002.safetensors"
+    (target / stale).write_bytes(b"old shard")
+    record = json.loads((target / EXPORT_RECORD).read_text())
+    (target / EXPORT_RECORD).write_text(json.dumps({"files": [*record["files"], stale]}))
+    second = stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(target)), timeout=120)
+    assert list(second.files) == list(first.files)
+    assert sorted(p.name for p in target.iterdir()) == sorted([*first.files, EXPORT_RECORD])
+    assert not any(p.name.endswith(".export") for p in run_dir.iterdir())  # staging removed
 
 
 def test_acknowledgements_of_versions_not_pending_are_refused(service) -> None:

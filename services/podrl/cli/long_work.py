@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -89,7 +90,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
     """``podrl export RUN_DIR [--step N] OUT``: a checkpoint as a Hugging Face folder."""
-    from podrl.trainer.export import ExportError, export_checkpoint
+    from podrl.trainer.export import ExportError, export_checkpoint, foreign_entries
 
     try:
         checkpoint = (
@@ -101,6 +102,20 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
         print(f"podrl export: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"podrl export: {out} is a file; name a folder to export into", file=sys.stderr)
+        return 2
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not args.overwrite:
+        # Checked before the model is loaded: nothing is written into a folder in use.
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        print(
+            f"podrl export: {out} is not empty ({shown}); export into a new or empty folder, or "
+            "pass --overwrite (which replaces only the files the export writes and deletes none "
+            "it did not write)",
+            file=sys.stderr,
+        )
+        return 2
     with _bar(console) as progress:
         bar = progress.add_task("export", total=len(_STAGES), detail="")
 
@@ -110,7 +125,11 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
         try:
             files = export_checkpoint(
-                checkpoint, out, Path(args.model) if args.model else None, on_stage
+                checkpoint,
+                out,
+                Path(args.model) if args.model else None,
+                on_stage,
+                overwrite=args.overwrite,
             )
         except ExportError as err:
             progress.stop()
@@ -118,6 +137,13 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
             return 2
         progress.update(bar, completed=len(_STAGES), detail="done")
     console.print(f"exported {checkpoint} to {out}: {', '.join(files)}")
+    kept = foreign_entries(out)
+    if kept:
+        # A loader that globs *.safetensors would read a foreign weights file with the export's.
+        console.print(
+            f"[yellow]kept files the export did not write in {escape(str(out))}: "
+            f"{escape(', '.join(kept))}"
+        )
     return 0
 
 
@@ -137,5 +163,11 @@ def add_export_parser(commands: argparse._SubParsersAction, console: Console) ->
     export.add_argument("--checkpoint", help="a checkpoint folder elsewhere (instead of --step)")
     export.add_argument(
         "--model", help="the model folder the run started from (default: from the checkpoint)"
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export into a folder that is not empty: the files the export writes are "
+        "replaced, every other file is kept (none is deleted)",
     )
     export.set_defaults(func=lambda args: cmd_export(args, console))

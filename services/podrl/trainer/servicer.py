@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 
 import podrl
 from podrl.config import RunConfig
-from podrl.trainer import checkpoint, command_table, paths
+from podrl.trainer import checkpoint, command_table, export, paths
 from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
@@ -226,6 +226,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             "ExportHFRequest.path",
             context,
         )
+        foreign = export.foreign_entries(path)
+        if foreign or (path.exists() and not path.is_dir()):
+            # An export never deletes or overwrites files podrl did not write (export.py).
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ExportHFRequest.path: {path} "
+                + (
+                    f"holds files a podrl export did not write ({', '.join(foreign[:5])})"
+                    if foreign
+                    else "is a file"
+                )
+                + "; export into a new or empty folder, or one an earlier export wrote",
+            )
         resolved = trainer_pb2.ExportHFRequest(path=str(path))
         with self._lock:
             reply = self._run(command_table.EXPORT_HF, resolved, context)
