@@ -163,6 +163,37 @@ def test_two_pods_train_a_split_batch_as_one_pod(grpo):
     )
 
 
+def test_a_batch_whose_totals_contradict_its_shares_is_refused_at_once(grpo):
+    """One pod whose share is not the totals it names (pods 1), and two pods whose shares do
+    not make up the totals once both are in the quorum: INVALID_ARGUMENT naming the field at
+    once, instead of forming the quorum again until the deadline; nothing stepped."""
+    everyone, _ = grpo
+    a, b = everyone["pod-a"], everyone["pod-b"]
+    before = a.digest()
+    batch = make_request(16, sequences=SEQUENCES, version=before.policy_version)
+    alone = share(batch, range(3), "x/a", pods=1)
+    alone.global_completion_tokens = 999
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        a.stub.Train(alone, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("TrainRequest.global_completion_tokens: one pod")
+    assert time.monotonic() - started < 5
+
+    tokens = sum(len(s.completion_ids) for s in batch.sequences)
+    shares = {a: share(batch, range(0, 3), "y/a", pods=2), b: share(batch, range(3, 8), "y/b", 2)}
+    for request in shares.values():
+        request.global_completion_tokens = tokens + 5  # each share fits; together they do not
+    started = time.monotonic()
+    replies = _train_together(shares)
+    for name, reply in replies.items():
+        assert isinstance(reply, grpc.RpcError), name
+        assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT, reply.details()
+        assert "the 2 pods of this step hold 8 sequences" in reply.details()
+    assert time.monotonic() - started < 30
+    assert a.digest() == b.digest() == before
+
+
 def test_a_pod_killed_mid_step_leaves_its_peer_unchanged(grpo):
     everyone, tmp = grpo
     reference, a, b = everyone["reference"], everyone["pod-a"], everyone["pod-b"]

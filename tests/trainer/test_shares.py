@@ -11,6 +11,7 @@ from podrl.trainer.batch import BatchError, BatchLimits
 from podrl.trainer.replication import (
     ReplicaStateError,
     _copy_into,
+    check_share_counts,
     share_totals,
     validate_share,
 )
@@ -65,6 +66,25 @@ def test_inconsistent_totals_name_the_fields():
     bad.sequences[0].advantage = float("nan")
     with pytest.raises(BatchError, match=r"sequences\[0\].advantage"):
         validate_share(bad, 0, LIMITS, replicated=True)
+
+
+def test_a_share_that_contradicts_its_totals_is_refused_before_any_quorum():
+    batch = make_request(1, sequences=3)
+    tokens = sum(len(s.completion_ids) for s in batch.sequences)
+    one_pod = share(batch, range(3), "x", 1)
+    check_share_counts(one_pod)  # one pod: the share is the whole batch
+    one_pod.global_completion_tokens = 999
+    with pytest.raises(BatchError, match=r"^global_completion_tokens: one pod trains this step"):
+        check_share_counts(one_pod)
+    with pytest.raises(BatchError, match=r"^global_completion_tokens: one pod"):
+        validate_share(one_pod, 0, LIMITS, replicated=True)
+    more = share(batch, range(3), "x", 2)
+    more.global_completion_tokens = tokens - 1
+    with pytest.raises(BatchError, match="more than the whole batch's"):
+        check_share_counts(more)
+    part = share(batch, range(2), "x", 2)  # a share of two pods may hold less than the totals
+    check_share_counts(part)
+    check_share_counts(batch)  # no totals: the request is the whole batch
 
 
 def test_a_peer_state_is_copied_into_the_own_tensors_or_refused_by_name():

@@ -100,6 +100,40 @@ def share_totals(request: trainer_pb2.TrainRequest) -> BatchTotals:
     return batch_totals(request.sequences)
 
 
+def check_share_counts(request: trainer_pb2.TrainRequest) -> None:
+    """The checks of a share's counts that need no peer and no version (BatchError naming the
+    field): both totals or neither; a share holds no more than the totals; with one pod
+    (``pods`` 1) the share is the whole batch. Run before the quorum, so a batch that
+    contradicts itself is refused at once instead of waiting for pods that cannot exist."""
+    if not is_share(request):
+        return
+    local_sequences = len(request.sequences)
+    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    if not request.global_sequences or not request.global_completion_tokens:
+        raise BatchError(
+            "global_sequences, global_completion_tokens: set both (the whole batch's counts) "
+            "or neither (this request is the whole batch)"
+        )
+    if local_sequences > request.global_sequences or local_tokens > (
+        request.global_completion_tokens
+    ):
+        raise BatchError(
+            f"global_sequences: this share holds {local_sequences} sequences and "
+            f"{local_tokens} completion tokens, more than the whole batch's "
+            f"{request.global_sequences} and {request.global_completion_tokens}"
+        )
+    if request.pods == 1 and (
+        request.global_sequences != local_sequences
+        or request.global_completion_tokens != local_tokens
+    ):
+        raise BatchError(
+            f"global_completion_tokens: one pod trains this step (pods 1), so its share is the "
+            f"whole batch, but the request holds {local_sequences} sequences and {local_tokens} "
+            f"completion tokens and names {request.global_sequences} and "
+            f"{request.global_completion_tokens}; send the share's own counts, or 0 for both"
+        )
+
+
 def validate_share(
     request: trainer_pb2.TrainRequest,
     policy_version: int,
@@ -128,28 +162,15 @@ def validate_share(
                 "replication (trainer.replication.lighthouse_address is empty) and would step on "
                 "its share alone; send the whole batch, or set the Lighthouse address"
             )
-    if is_share(request):
-        if not request.global_sequences or not request.global_completion_tokens:
+    check_share_counts(request)
+    if is_share(request) and not request.sequences:
+        # An empty share takes part in the step; only its version can be wrong.
+        if request.policy_version != policy_version:
             raise BatchError(
-                "global_sequences, global_completion_tokens: set both (the whole batch's counts) "
-                "or neither (this request is the whole batch)"
+                f"policy_version: the trainer holds version {policy_version}, the request "
+                f"expects {request.policy_version}; send batches for the current version"
             )
-        if local_sequences > request.global_sequences or local_tokens > (
-            request.global_completion_tokens
-        ):
-            raise BatchError(
-                f"global_sequences: this share holds {local_sequences} sequences and "
-                f"{local_tokens} completion tokens, more than the whole batch's "
-                f"{request.global_sequences} and {request.global_completion_tokens}"
-            )
-        if not request.sequences:
-            # An empty share takes part in the step; only its version can be wrong.
-            if request.policy_version != policy_version:
-                raise BatchError(
-                    f"policy_version: the trainer holds version {policy_version}, the request "
-                    f"expects {request.policy_version}; send batches for the current version"
-                )
-            return
+        return
     validate_train_request(request, policy_version, limits)
 
 
@@ -487,6 +508,16 @@ class CrossPodReplica:
             complete = (held_sequences, held_tokens) == expected[:2] and (
                 not request.pods or pods == request.pods
             )
+            if request.pods and pods == request.pods and not complete:
+                # Every pod the request names is here, and their shares still do not make up
+                # the totals: no quorum ever will. Every pod sees the same sums and refuses.
+                self.close("the shares do not make up the batch's totals")
+                raise BatchError(
+                    f"global_sequences, global_completion_tokens: the {int(pods)} pods of this "
+                    f"step hold {int(held_sequences)} sequences and {int(held_tokens)} "
+                    f"completion tokens, the request names {int(expected[0])} and "
+                    f"{int(expected[1])}; send each pod its share with the whole batch's counts"
+                )
             # A refusal counts only in the complete quorum: a pod that gave up in a partial one
             # would leave the pods not yet in it waiting for it until their timeout.
             if complete and refused:

@@ -34,6 +34,7 @@ from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
+from podrl.trainer.replication import check_share_counts
 from podrl.trainer.weight_publishing import ACKNOWLEDGE_WEIGHTS, PUBLISH_WEIGHTS
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -86,7 +87,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             try:
                 if self._engine.replicated:
                     # The batch is checked inside the step, after this pod has joined the
-                    # step's quorum (and healed, if it was behind the others).
+                    # step's quorum (and healed, if it was behind the others); only the
+                    # counts that contradict themselves are refused before, at once.
+                    check_share_counts(request)
                     self._engine.check_gates()
                 else:
                     self._engine.validate(request)
