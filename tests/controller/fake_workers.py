@@ -81,6 +81,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     trained_while_asleep: list[bool] = field(default_factory=list)
     published_while_generating: list[bool] = field(default_factory=list)
     """Each PublishWeights: whether the pod's generator was running a Generate meanwhile."""
+    save_faults: list[grpc.StatusCode | None] = field(default_factory=list)
+    """One entry per SaveCheckpoint call, in order: the code it fails with (None: it saves)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
 
@@ -173,6 +175,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
+        if self.save_faults and (code := self.save_faults.pop(0)) is not None:
+            context.abort(code, "[Errno 28] No space left on device (injected)")
         path = Path(request.path or self.checkpoint_dir / f"step-{self.step:08d}")
         path.mkdir(parents=True, exist_ok=True)
         (path / ".metadata").write_bytes(b"")

@@ -147,6 +147,23 @@ def test_a_finished_run_says_finished_everywhere(pod: FakePod, run_loop: RunLoop
     assert run["summary"]["final_reward_mean"] == pytest.approx(0.5)  # half the samples right
 
 
+def test_a_failed_checkpoint_is_reported_and_the_next_checkpoint_step_saves_again(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    # The save at step 2 fails as a full disk does (the trainer answers RESOURCE_EXHAUSTED);
+    # the run goes on, and the save at its end (step 3) works.
+    pod.trainer.save_faults = [grpc.StatusCode.RESOURCE_EXHAUSTED, None]
+    run = run_loop(pod)
+    assert run["state"].phase == "finished"
+    assert [s.step for s in run["steps"]] == [1, 2, 3]
+    failure = run["state"].view().last_checkpoint_error
+    assert failure["step"] == 2
+    assert failure["error"].startswith("RESOURCE_EXHAUSTED: [Errno 28] No space left on device")
+    assert run["summary"]["last_checkpoint_error"] == failure
+    assert run["summary"]["checkpoint"]["step"] == 3  # the later save is the good one
+    assert sorted(p.name for p in pod.trainer.checkpoint_dir.iterdir()) == ["step-00000003"]
+
+
 def test_a_lost_train_reply_records_the_samples_of_the_applied_batch(
     pod: FakePod, run_loop: RunLoop
 ) -> None:

@@ -1,21 +1,27 @@
 """Hostile requests with the controller's credentials against the real trainer service
 (`python -m podrl.trainer`, 2 FSDP2 gloo ranks): file RPCs confined to the run directory,
 exports that never delete files podrl did not write, acknowledgements of versions that are
-not pending refused."""
+not pending refused, and a full disk during a checkpoint save reported with every rank alive."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from podrl.trainer import checkpoint
 from podrl.trainer.export import EXPORT_RECORD
 from podrl.v1 import common_pb2, trainer_pb2
+from tests.trainer.pods import fault_plan
 from tests.trainer.rank_worker import make_request
 from tests.trainer.service_process import trainer_service
 
@@ -179,3 +185,108 @@ def test_acknowledgements_of_versions_not_pending_are_refused(service) -> None:
     code, _ = _code(lambda: ack(version + 7))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     ack(version + 1)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 12 MB tmpfs (about three checkpoints of the tiny model at 2 ranks)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` up to ``leave`` free bytes with one file."""
+    filler = disk / "filler"
+    with open(filler, "ab") as out:
+        while True:
+            stats = os.statvfs(disk)
+            free = stats.f_bavail * stats.f_frsize - leave
+            if free <= 0:
+                return filler
+            try:
+                out.write(b"\0" * min(free, 1 << 20))
+                out.flush()
+            except OSError:
+                return filler
+
+
+def test_a_full_disk_fails_the_save_on_every_rank_and_the_next_one_works(
+    tiny_model, tmp_path: Path, small_disk: Path
+) -> None:
+    """A disk that fills while the ranks write their shards: RESOURCE_EXHAUSTED with the
+    errno text at once, no partial folder, the previous checkpoint intact, both ranks alive
+    and serving; a disk already too full is refused before writing; once space is freed the
+    next save works. A save that fails on one rank only fails on every rank alike."""
+    # The second save waits 4 s before the ranks write (the test fills the disk meanwhile);
+    # the fourth that reaches the point (the fifth save: the third is refused before it)
+    # fails on rank 1 only.
+    faults = fault_plan(
+        {"point": "trainer.checkpoint_before_write", "action": "delay", "seconds": 4, "skip": 1},
+        {"point": "trainer.checkpoint_before_write", "action": "raise", "rank": 1, "skip": 3},
+    )
+    env = {**faults, "PODRL_TRAINER__CHECKPOINT_DIR": str(small_disk)}
+    with trainer_service(tiny_model, tmp_path, timeout=120, extra_env=env) as (process, stub):
+        first = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+        stub.Train(make_request(1), timeout=120)
+
+        filler: list[Path] = []
+
+        def fill_when_the_save_starts() -> None:
+            deadline = time.monotonic() + 60
+            while not (small_disk / ".step-00000001.partial").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            filler.append(_fill(small_disk))
+
+        filling = threading.Thread(target=fill_when_the_save_starts)
+        filling.start()
+        started = time.monotonic()
+        code, details = _code(
+            lambda: stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+        )
+        filling.join()
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "No space left on device" in details and "rank 0" in details, details
+        assert time.monotonic() - started < 30
+        assert sorted(p.name for p in small_disk.iterdir()) == ["filler", Path(first.path).name]
+        assert checkpoint.is_checkpoint(Path(first.path))
+        assert len(psutil.Process(process.pid).children()) == 2  # both ranks alive
+        assert stub.Info(common_pb2.InfoRequest(), timeout=10).policy_version == 1
+
+        # Too full from the start: refused before a shard is written.
+        filler[0].unlink()
+        _fill(small_disk, leave=1 << 20)
+        code, details = _code(
+            lambda: stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "No space left on device" in details and "the checkpoint needs about" in details
+        assert not list(small_disk.glob(".step-*"))
+
+        # Space freed: the next save works.
+        (small_disk / "filler").unlink()
+        stub.Train(make_request(2, version=1), timeout=120)
+        saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
+        assert checkpoint.is_checkpoint(Path(saved.path)) and saved.step == 2
+
+        # Rank 1 fails on its own: both ranks refuse, neither waits for the other.
+        code, details = _code(
+            lambda: stub.SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(path=str(small_disk / "one-rank")), timeout=120
+            )
+        )
+        assert code == grpc.StatusCode.INTERNAL, details
+        assert "rank 0: CheckpointSaveError" in details and "another rank failed" in details
+        assert "rank 1: CheckpointSaveError" in details and "InjectedFaultError" in details
+        assert not (small_disk / "one-rank").exists()
+        assert not list(small_disk.glob(".*"))
+        assert stub.Train(make_request(3, version=2), timeout=120).policy_version == 3

@@ -23,7 +23,9 @@ absent and the old checkpoint complete under the hidden name). :func:`prune` kee
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -32,6 +34,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from podrl.common import faults
 
@@ -83,6 +88,81 @@ def _all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; ``path`` is as it was before and the partial folder is
+    removed. The message names the rank's error (with its errno when the OS gave one)."""
+
+
+class CheckpointNoSpaceError(CheckpointSaveError):
+    """A save failed because the checkpoint's filesystem is full (ENOSPC, or a quota: EDQUOT)."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err``, its causes and contexts, and the rank failures a DCP exception carries."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo:
+        item = todo.pop()
+        if item is None or any(item is s for s in seen):
+            continue
+        seen.append(item)
+        todo += [item.__cause__, item.__context__]
+        if isinstance(item, CheckpointException):
+            todo += [failure[0] for failure in item.failures.values()]
+    return seen
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return -1
+    return stats.f_bavail * stats.f_frsize
+
+
+def _local_bytes(state: object) -> int:
+    """Bytes of this rank's tensors in a state dict (its share of the checkpoint)."""
+    leaves, _ = tree_flatten(state)
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            leaf = leaf.to_local()
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def _save_failure(err: BaseException, partial: Path, needed: int) -> CheckpointSaveError:
+    """The error this rank reports: the first OSError among ``err``'s causes (DCP's writer also
+    reports a full disk as a short write, "unexpected pos"), classified as no space when its
+    errno says so or when the filesystem has less room left than this rank's shards need."""
+    causes = _causes(err)
+    os_error = next((c for c in causes if isinstance(c, OSError) and c.errno), None)
+    free = _free_bytes(partial.parent)
+    if os_error is not None and os_error.errno in _NO_SPACE:
+        return CheckpointNoSpaceError(str(os_error)[:500])
+    if os_error is None and 0 <= free < needed:
+        return CheckpointNoSpaceError(
+            f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: {free} bytes free under "
+            f"{partial.parent}, this rank's shards need {needed} "
+            f"({type(err).__name__}: {_first_line(err)})"
+        )
+    if os_error is not None:
+        return CheckpointSaveError(str(os_error)[:500])
+    return CheckpointSaveError(f"{type(err).__name__}: {_first_line(err)}")
+
+
+def _first_line(err: BaseException) -> str:
+    """A short form of ``err`` (DCP's exceptions carry every rank's traceback)."""
+    innermost = [c for c in _causes(err) if not isinstance(c, CheckpointException)]
+    shown = innermost[-1] if innermost else err
+    text = str(shown).strip().splitlines()
+    return (text[-1] if text else type(shown).__name__)[:300]
+
+
 def save(
     trainer: Stateful,
     path: Path,
@@ -93,10 +173,12 @@ def save(
     controller_state: bytes,
 ) -> None:
     """Every rank: write its shards into ``.<name>.partial``; rank 0 adds the state file and
-    renames the folder to ``path`` (replacing a checkpoint already there). Raises on every rank
-    if the save failed on any; ``path`` is then as it was before."""
+    renames the folder to ``path`` (replacing a checkpoint already there). If the save fails on
+    any rank (a full disk included), every rank raises CheckpointSaveError (no space:
+    CheckpointNoSpaceError), ``path`` is as it was before and the partial folder is removed:
+    the ranks agree on the outcome, so none is left waiting in a collective of the save."""
     partial = _hidden_sibling(path, PARTIAL_SUFFIX)
-    error: Exception | None = None
+    error: BaseException | None = None
     if rank == 0:
         try:
             if partial.exists():  # left by an interrupted earlier save
@@ -105,15 +187,34 @@ def save(
         except OSError as err:
             error = err
     if not _all_ranks_ok(error is None):  # also: nobody writes before the folder is fresh
-        raise RuntimeError(f"checkpoint {path}: cannot prepare {partial}: {error}") from error
+        raise _failed(path, partial, rank, error, 0, "cannot prepare the folder")
     state = trainer.state_dict()
-    dcp.save({"model": state["model"], "optim": state["optim"]}, checkpoint_id=str(partial))
-    if rank == 0:
+    shards = {"model": state["model"], "optim": state["optim"]}
+    version = state["train_state"]["policy_version"]
+    # Every rank writes about as much as this one: refuse before writing when it cannot fit.
+    needed = _local_bytes(shards)
+    free = _free_bytes(partial)
+    if 0 <= free < needed * world_size:
+        error = OSError(
+            errno.ENOSPC,
+            f"{os.strerror(errno.ENOSPC)}: {free} bytes free under {partial.parent}, the "
+            f"checkpoint needs about {needed * world_size}",
+        )
+    else:
+        try:
+            faults.hit("trainer.checkpoint_before_write", rank=rank, version=version)
+        except Exception as err:
+            error = err
+    # DCP's collectives need every rank: a rank that cannot write says so first.
+    if _all_ranks_ok(error is None):
+        try:
+            dcp.save(shards, checkpoint_id=str(partial))
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            error = err
+    if _all_ranks_ok(error is None) and rank == 0:
         train_state = state["train_state"]
         try:
-            faults.hit(
-                "trainer.checkpoint_before_state", rank=rank, version=train_state["policy_version"]
-            )
+            faults.hit("trainer.checkpoint_before_state", rank=rank, version=version)
             saved = {
                 "format": FORMAT,
                 "world_size": world_size,
@@ -126,10 +227,20 @@ def save(
         except Exception as err:  # the others must hear of it, not wait in a barrier
             error = err
     if not _all_ranks_ok(error is None):
-        raise RuntimeError(
-            f"checkpoint {path} was not saved (rank 0: {type(error).__name__}: {error}); "
-            "the folder is as it was before"
-        ) from error
+        raise _failed(path, partial, rank, error, needed, "was not saved")
+
+
+def _failed(
+    path: Path, partial: Path, rank: int, error: BaseException | None, needed: int, what: str
+) -> CheckpointSaveError:
+    """Every rank, once all know the save failed: rank 0 removes the partial folder; the
+    error this rank raises (this rank's own failure, or that another rank failed)."""
+    failure = _save_failure(error, partial, needed) if error is not None else None
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    kind = type(failure) if failure is not None else CheckpointSaveError
+    detail = str(failure) if failure is not None else "another rank failed"
+    return kind(f"checkpoint {path} {what} (rank {rank}: {detail}); the folder is as it was before")
 
 
 def _replace(partial: Path, path: Path) -> None:
@@ -183,7 +294,10 @@ def load(trainer: Stateful, path: Path) -> bytes:
         )
     state = trainer.state_dict()
     shards = {"model": state["model"], "optim": state["optim"]}
-    dcp.load(shards, checkpoint_id=str(path))
+    try:
+        dcp.load(shards, checkpoint_id=str(path))
+    except CheckpointException as err:  # a BaseException: it would end the rank's command loop
+        raise RuntimeError(f"checkpoint {path} cannot be read: {_first_line(err)}") from err
     train_state = saved if saved["format"] == 1 else saved["train_state"]
     trainer.load_state_dict({**shards, "train_state": train_state})
     return _unb64(saved["controller_state"])

@@ -190,7 +190,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             resolved = trainer_pb2.SaveCheckpointRequest(
                 path=str(path), controller_state=request.controller_state
             )
-            reply = self._run(command_table.SAVE_CHECKPOINT, resolved, context)
+            try:
+                payload = resolved.SerializeToString()
+                reply = self._loop.run(command_table.SAVE_CHECKPOINT, payload)[0]
+            except RankCommandError as err:
+                # Every rank failed alike (checkpoint.save agrees on the outcome); the folder is
+                # as it was and the partial one is gone. A full disk is the operator's to fix.
+                log.error("%s", err)
+                full = any(
+                    e.startswith(checkpoint.CheckpointNoSpaceError.__name__)
+                    for e in err.errors.values()
+                )
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL
+                context.abort(code, str(err)[:4000])
             if not request.path:  # retention covers the folders the trainer names itself
                 removed = checkpoint.prune(
                     paths.real_path(directory),

@@ -18,7 +18,7 @@ from podrl.config import RunConfig
 from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
-from podrl.controller.records.recorder import StepRecorder
+from podrl.controller.records.recorder import CHECKPOINT_ERROR_KEY, StepRecorder
 from podrl.controller.records.resume import (
     ControllerState,
     TrainerState,
@@ -58,19 +58,35 @@ class RunCheckpoints:
         self.roster = roster
         self.train_phase = train_phase  # asks the trainers' Info at resume
         self.boundary = boundary  # the lead pod
+        # A failed save of an earlier controller of this run stays visible after a restart.
+        state.set_checkpoint_error(store.get(CHECKPOINT_ERROR_KEY))
 
     def save(self, position: dict[str, Any]) -> str:
         """A checkpoint of the lead trainer, with the controller's step, version and the task
-        source's ``position`` after the last recorded step; its path, or "" when it failed
-        (the run goes on: the previous checkpoint and the SQLite history still hold)."""
+        source's ``position`` after the last recorded step; its path, or "" when it failed.
+
+        A failed save (a full disk: the trainer answers RESOURCE_EXHAUSTED, having removed its
+        partial folder) does not fail the run: training needs no disk, the previous checkpoint
+        and the SQLite history still hold, and the next checkpoint step (or the run's end)
+        saves again, which works once space is freed. The failure is logged, kept in the run
+        store and shown as ``last_checkpoint_error`` in /v1/status and summary.json."""
         blob = ControllerState(self.state.step, self.state.policy_version, position).encode()
         try:
             reply = self.clients.trainer(self.boundary.lead().trainer).SaveCheckpoint(
                 trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
             )
         except grpc.RpcError as err:
-            log.error("checkpoint of step %d failed: %s", self.state.step, describe_rpc_error(err))
-            self.state.set_error(f"checkpoint failed: {describe_rpc_error(err)}")
+            error = describe_rpc_error(err)
+            log.error(
+                "checkpoint of step %d failed (the run goes on; the next checkpoint step saves "
+                "again): %s",
+                self.state.step,
+                error,
+            )
+            failure = {"step": self.state.step, "error": error}
+            self.store.put(CHECKPOINT_ERROR_KEY, failure)
+            self.state.set_checkpoint_error(failure)
+            self.state.set_error(f"checkpoint failed: {error}")
             return ""
         self.store.put("checkpoint", {"path": reply.path, "step": self.state.step})
         log.info("checkpoint of step %d at %s", self.state.step, reply.path)

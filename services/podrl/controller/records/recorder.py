@@ -26,6 +26,9 @@ from podrl.controller.step.batch import StepSamples, TrainBatch, is_valid, last_
 from podrl.controller.step.train_phase import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
+#: Run store key of the latest failed checkpoint save, {step, error} (checkpointing.py).
+CHECKPOINT_ERROR_KEY = "checkpoint_error"
+
 #: TrainMetrics fields copied into a trained step's record.
 TRAIN_METRICS = (
     "loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm",
@@ -267,6 +270,9 @@ class StepRecorder:
                 else None,
                 "evaluations": evaluations,
                 "export": store.get("export"),
+                # The last good checkpoint and the latest failed save, if any (checkpointing.py).
+                "checkpoint": store.get("checkpoint"),
+                "last_checkpoint_error": store.get(CHECKPOINT_ERROR_KEY),
                 "tensorboard_dir": str(self.tracker.tensorboard_dir)
                 if self.tracker.tensorboard_dir
                 else None,

@@ -89,6 +89,13 @@ class RunStatusView(BaseModel):
     )
     steps_total: int = Field(description="Steps the run is configured for (loop.steps).")
     error: str | None = Field(description="The last step or run error, if any.")
+    last_checkpoint_error: dict[str, Any] | None = Field(
+        None,
+        description="The latest checkpoint save that failed, {step, error} (the trainer's "
+        "status code and message, e.g. RESOURCE_EXHAUSTED for a full disk), kept after later "
+        "saves; null when none failed. The run goes on and saves again at the next checkpoint "
+        "step; the last good checkpoint stays.",
+    )
     uptime_seconds: float
     last_eval: dict[str, Any] | None = Field(
         None, description="The latest held-out evaluation (as in /v1/evals), if any."
@@ -149,6 +156,7 @@ class RunState:
         self.last_step_metrics: dict[str, Any] = {}
         self.steps_total = steps_total
         self.error: str | None = None
+        self.last_checkpoint_error: dict[str, Any] | None = None
         self.roster = roster
         """The loop's pods and epoch (None: the controller runs no loop)."""
         self.last_eval: dict[str, Any] | None = None
@@ -164,6 +172,10 @@ class RunState:
     def set_error(self, error: str | None) -> None:
         with self._lock:
             self.error = error
+
+    def set_checkpoint_error(self, failure: dict[str, Any] | None) -> None:
+        with self._lock:
+            self.last_checkpoint_error = dict(failure) if failure is not None else None
 
     def resume(self, step: int, policy_version: int) -> None:
         with self._lock:
@@ -245,6 +257,9 @@ class RunState:
                 last_step_metrics=dict(self.last_step_metrics),
                 steps_total=self.steps_total,
                 error=self.error,
+                last_checkpoint_error=dict(self.last_checkpoint_error)
+                if self.last_checkpoint_error is not None
+                else None,
                 uptime_seconds=round(time.monotonic() - self.started, 3),
                 last_eval=dict(self.last_eval) if self.last_eval is not None else None,
                 evaluations=self.evaluations,
