@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from podrl.common import faults
+from podrl.trainer.errors import CheckpointNoSpaceError, CheckpointSaveError
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 2
@@ -86,15 +87,6 @@ def _all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank; ``path`` is as it was before and the partial folder is
-    removed. The message names the rank's error (with its errno when the OS gave one)."""
-
-
-class CheckpointNoSpaceError(CheckpointSaveError):
-    """A save failed because the checkpoint's filesystem is full (ENOSPC, or a quota: EDQUOT)."""
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -30,12 +30,24 @@ class NonFiniteStepError(StepAbortedError):
     (→ FAILED_PRECONDITION: the same batch on the same weights would fail again)."""
 
 
-# In order: NonFiniteStepError before its base StepAbortedError.
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed on some rank (every rank raises it: ``checkpoint.save`` makes
+    them agree); the target is as it was before and the partial folder is removed. The message
+    names the rank's error, with its errno when the OS gave one (→ INTERNAL)."""
+
+
+class CheckpointNoSpaceError(CheckpointSaveError):
+    """A save failed because the checkpoint's filesystem is full: ENOSPC, a quota (EDQUOT), or
+    less room left than the rank's shards need (→ RESOURCE_EXHAUSTED)."""
+
+
+# In order: subclasses before their bases (NonFiniteStepError, CheckpointNoSpaceError).
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (BatchError, trainer_pb2.RANK_ERROR_KIND_INVALID_REQUEST),
     (TrainNotAllowedError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
     (PublishError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
     (AcknowledgeError, trainer_pb2.RANK_ERROR_KIND_NOT_NOW),
+    (CheckpointNoSpaceError, trainer_pb2.RANK_ERROR_KIND_NO_SPACE),
     (NonFiniteStepError, trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP),
     (StepAbortedError, trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED),
 )

@@ -49,6 +49,7 @@ _STATUS: dict[ErrorKind, grpc.StatusCode] = {
     trainer_pb2.RANK_ERROR_KIND_NON_FINITE_STEP: grpc.StatusCode.FAILED_PRECONDITION,
     # Every rank refused the step alike: nothing changed, the batch may come again.
     trainer_pb2.RANK_ERROR_KIND_STEP_ABORTED: grpc.StatusCode.ABORTED,
+    trainer_pb2.RANK_ERROR_KIND_NO_SPACE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -194,14 +195,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 payload = resolved.SerializeToString()
                 reply = self._loop.run(command_table.SAVE_CHECKPOINT, payload)[0]
             except RankCommandError as err:
-                # Every rank failed alike (checkpoint.save agrees on the outcome); the folder is
-                # as it was and the partial one is gone. A full disk is the operator's to fix.
+                # Every rank failed (checkpoint.save agrees on the outcome); the folder is as it
+                # was and the partial one is gone. A full disk is the operator's to fix.
                 log.error("%s", err)
                 full = any(
-                    e.startswith(checkpoint.CheckpointNoSpaceError.__name__)
-                    for e in err.errors.values()
+                    r.error_kind == trainer_pb2.RANK_ERROR_KIND_NO_SPACE
+                    for r in err.errors.values()
                 )
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else _STATUS[err.kind]
                 context.abort(code, str(err)[:4000])
             if not request.path:  # retention covers the folders the trainer names itself
                 removed = checkpoint.prune(

@@ -16,11 +16,13 @@ class RankErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_ERROR_KIND_NOT_NOW: _ClassVar[RankErrorKind]
     RANK_ERROR_KIND_NON_FINITE_STEP: _ClassVar[RankErrorKind]
     RANK_ERROR_KIND_STEP_ABORTED: _ClassVar[RankErrorKind]
+    RANK_ERROR_KIND_NO_SPACE: _ClassVar[RankErrorKind]
 RANK_ERROR_KIND_INTERNAL: RankErrorKind
 RANK_ERROR_KIND_INVALID_REQUEST: RankErrorKind
 RANK_ERROR_KIND_NOT_NOW: RankErrorKind
 RANK_ERROR_KIND_NON_FINITE_STEP: RankErrorKind
 RANK_ERROR_KIND_STEP_ABORTED: RankErrorKind
+RANK_ERROR_KIND_NO_SPACE: RankErrorKind
 
 class TrainSequence(_message.Message):
     __slots__ = ("sample_id", "prompt_ids", "completion_ids", "generator_logprobs", "advantage", "policy_version")
