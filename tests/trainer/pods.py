@@ -121,9 +121,11 @@ class Pod:
         return self.stub.ParametersDigest(trainer_pb2.ParametersDigestRequest(), timeout=60)
 
     def parameters(self, path: Path) -> dict[str, torch.Tensor]:
-        """The full parameters, through ExportHF (a safetensors folder at ``path``)."""
-        self.stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(path)), timeout=120)
-        return load_file(path / "model.safetensors")
+        """The full parameters, through ExportHF (a safetensors folder named ``path.name``
+        under the pod's run directory: the trainer writes nowhere else)."""
+        folder = self.log_path.parent / self.name / "exports" / path.name  # see start_pods
+        self.stub.ExportHF(trainer_pb2.ExportHFRequest(path=str(folder)), timeout=120)
+        return load_file(folder / "model.safetensors")
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -89,6 +89,8 @@ def write_hf_folder(
             f"{', ...' if len(foreign) > 5 else ''}); export into an empty or new folder "
             "(podrl export: or pass --overwrite, which keeps them)"
         )
+    # The staging folder must share the target's filesystem (os.replace), also through a link.
+    out = Path(os.path.realpath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
     try:
