@@ -91,7 +91,7 @@ def controller_scaler(tmp_path: Path) -> Iterator[tuple[StandInCluster, LocalSca
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    for ordinal in range(cluster.scaler.desired_replicas()):
+    for ordinal in range(cluster.desired_replicas()):
         cluster._start_pod(ordinal)
     yield cluster, controller_scaler
     for pod in cluster.pods.values():

@@ -59,4 +59,4 @@ def test_the_progress_loop_builds_no_client_per_request(
         assert _status(cluster) == {"desired_replicas": 1, "phase": "running"}
         assert http_ready(f"{rest_url}/readyz", client=cluster.http)
     assert built == []
-    assert cluster.scaler.desired_replicas() == 1
+    assert cluster.desired_replicas() == 1

@@ -37,7 +37,6 @@ from podrl.common.auth import CallerCredentials
 from podrl.common.processes import die_with_parent, free_ports
 from podrl.config import RunConfig
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
-from podrl.controller.pods.scaling import LocalScaler
 from podrl.generator.engine_processes import reap_dead_engine_segments, reap_dead_socket_dirs
 from podrl.models.folders import check_model_folders
 
@@ -187,7 +186,9 @@ class LocalCluster:
         self.pods: dict[int, LocalPod] = {}
         self._pod_ports: dict[int, dict[str, int]] = {}  # an ordinal keeps its ports
         self._lock = threading.RLock()
-        self.scaler = LocalScaler(initial, on_change=self.reconcile)
+        self._desired = initial
+        """The controller's desired pod count as last read (the controller owns it; this is
+        the count it was started with until then)."""
         self.http = httpx.Client(timeout=5.0)
         """One REST client for the controller's API: ``httpx.get`` builds a client, and its
         TLS context, per call (tens of milliseconds of CPU, twice a second in `podrl run`)."""
@@ -283,7 +284,7 @@ class LocalCluster:
 
     def _spawn_controller(self) -> Child:
         # A restarted controller starts from the count the launcher follows now.
-        env = {"PODRL_CONTROLLER__WORKER_PODS": str(self.scaler.desired_replicas())}
+        env = {"PODRL_CONTROLLER__WORKER_PODS": str(self.desired_replicas())}
         cmd = [sys.executable, "-m", "podrl.controller", *self._config_args()]
         process = self._popen(cmd, env, self.log_dir / "controller.log")
         return Child(
@@ -354,7 +355,7 @@ class LocalCluster:
             if self.replicated:
                 self.lighthouse = self._spawn_lighthouse()
             self.controller = self._spawn_controller()
-            for ordinal in range(self.scaler.desired_replicas()):
+            for ordinal in range(self.desired_replicas()):
                 self._start_pod(ordinal)
 
     def restart(self, name: str) -> Child:
@@ -375,9 +376,14 @@ class LocalCluster:
             return new
 
     # -- keeping it at the desired count ---------------------------------------------------------
+    def desired_replicas(self) -> int:
+        """The controller's desired pod count, as last read by :meth:`follow_desired`."""
+        with self._lock:
+            return self._desired
+
     def reconcile(self, replicas: int) -> None:
-        """``LocalScaler``'s on_change: start pods up to ``replicas``; SIGTERM (drain) those
-        at or above it, highest ordinal first. Draining pods are reaped by supervise()."""
+        """Start pods up to ``replicas``; SIGTERM (drain) those at or above it, highest ordinal
+        first. Draining pods are reaped by supervise()."""
         with self._lock:
             for ordinal in sorted(self.pods, reverse=True):
                 pod = self.pods[ordinal]
@@ -401,7 +407,10 @@ class LocalCluster:
         except (httpx.HTTPError, ValueError):
             return
         if isinstance(desired, int) and desired >= 1:
-            self.scaler.set_replicas(desired)
+            with self._lock:
+                changed, self._desired = desired != self._desired, desired
+                if changed:
+                    self.reconcile(desired)
 
     def supervise(self) -> None:
         """One round of what the StatefulSet controller and kubelet do in a cluster: follow
@@ -434,7 +443,7 @@ class LocalCluster:
                     pod.children[service] = self._spawn_service(
                         ordinal, service, child.restarts + 1
                     )
-            self.reconcile(self.scaler.desired_replicas())
+            self.reconcile(self._desired)
 
     def check_alive(self) -> None:
         """Raise ChildExitedError for any process that ended (draining pods excepted)."""

@@ -96,7 +96,7 @@ def _run_cluster(
     try:
         cluster.start()
         console.print(
-            f"starting controller and {cluster.scaler.desired_replicas()} worker pod(s) "
+            f"starting controller and {cluster.desired_replicas()} worker pod(s) "
             f"(generator, grader, trainer each; logs: {cluster.log_dir})"
         )
         if not cluster.wait_ready(startup_timeout, stop.is_set):
