@@ -24,6 +24,7 @@ comes from :class:`podrl.controller.pods.kube_watch.ClusterView`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import re
 import threading
@@ -63,15 +64,29 @@ class Pod:
     """Of its trainer, generator and grader: a restarted process is a changed pod."""
 
 
+class PodPhase(enum.StrEnum):
+    """Where a pod is in its life: waiting → joining → training → draining → gone."""
+
+    WAITING = "waiting"
+    """Complete and healthy; admitted at the next step boundary."""
+    JOINING = "joining"
+    """Admitted; its trainer is behind and heals from a peer in its first Train."""
+    TRAINING = "training"
+    """In the current step's roster, at the run's version."""
+    DRAINING = "draining"
+    """Its services drain, or the cluster is deleting it."""
+    GONE = "gone"
+    """Dropped mid-step and not back."""
+    INCOMPLETE = "incomplete"
+    """A service missing or unhealthy (a pod starting, or one that lost a process)."""
+
+
 @dataclass(frozen=True)
 class PodStatus:
     """A pod as ``/v1/status`` shows it."""
 
     id: str
-    state: str
-    """training (in the current step's roster), joining (admitted; its trainer heals from a
-    peer in its first Train), waiting (complete and healthy; admitted at the next step),
-    draining, incomplete (a service missing or unhealthy), or gone (dropped, not back)."""
+    state: PodPhase
     policy_version: int | None
     """Its trainer's version (as last reported); None when it has no trainer."""
     share: int
@@ -144,6 +159,19 @@ class PodRoster:
                 )
             )
         return sorted(pods, key=lambda pod: pod_order(pod.id))
+
+    def candidates(self) -> list[Pod]:
+        """The pods :meth:`admit` would admit now (complete, healthy, not draining or
+        terminating), by ordinal; the roster is left as it is."""
+        return self._candidates()
+
+    def joining(self) -> frozenset[str]:
+        """The admitted pods whose trainer is behind the run's version (as of the step's
+        align): they heal from a peer in this step's Train, their generators are synced after
+        it. The one place this is kept: set by :meth:`note_versions`, cleared by
+        :meth:`note_trained`."""
+        with self._lock:
+            return frozenset(self._shares.joining)
 
     def terminating(self) -> frozenset[str]:
         """Pods the cluster is deleting (none outside a cluster)."""
@@ -229,15 +257,15 @@ class PodRoster:
             if version is None and trainer is not None:
                 version = trainer.policy_version
             if pod_id in terminating or any(v.state == "draining" for v in views):
-                state = "draining"
+                state = PodPhase.DRAINING
             elif pod_id in admitted:
-                state = "joining" if pod_id in shares.joining else "training"
+                state = PodPhase.JOINING if pod_id in shares.joining else PodPhase.TRAINING
             elif len(views) == 3 and all(v.healthy for v in views):
-                state = "waiting"
+                state = PodPhase.WAITING
             elif pod_id in dropped and not any(v.healthy for v in views):
-                state = "gone"
+                state = PodPhase.GONE
             else:
-                state = "incomplete"
+                state = PodPhase.INCOMPLETE
             rows.append(
                 PodStatus(
                     id=pod_id,

@@ -230,7 +230,11 @@ class RunState:
         pods = self.registry.healthy_pods()
         ready = len(pods) >= self.min_worker_pods
         roster = self.roster
-        pod_views = [PodView(**vars(p)) for p in roster.status()] if roster else []
+        pod_views = (
+            [PodView(**{**vars(p), "state": p.state.value}) for p in roster.status()]
+            if roster
+            else []
+        )
         epoch = roster.epoch if roster else 0
         desired = roster.desired_replicas() if roster else None
         with self._lock:

@@ -10,9 +10,10 @@ The loop asks :class:`StepBoundary` three things (docs/controller.md, "One step"
   (torchft's quorum counts each trainer that has trained in this run).
 - :meth:`~StepBoundary.lead`: the pod whose trainer writes checkpoints and exports.
 
-It owns the membership facts that outlive one step: which pods are joining, the trainer
-incarnation each pod last trained with, each pod as last admitted (a pod whose processes
-changed gets new channels), and the syncs that succeeded since the last align.
+It owns the facts of the boundary itself: the trainer incarnation each pod last trained
+with, each pod as last admitted (a pod whose processes changed gets new channels), and the
+syncs that succeeded since the last align. Which pods are joining is the roster's
+(:meth:`PodRoster.joining`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,6 @@ class StepBoundary:
         self.clients = clients
         self._pool = pool
         self.weights = weights
-        self.joining: set[str] = set()
-        """Pods whose trainer is behind the run's version: they heal in this step's Train and
-        their generator is synced after it (read by the weight sync)."""
         self.generating: list[Pod] = []
         """The pods whose generators generate, as of the last align (async mode's producer
         reads it)."""
@@ -66,8 +64,9 @@ class StepBoundary:
     def lead(self) -> Pod:
         """The pod whose trainer writes checkpoints and answers for the run at resume: the
         first (by ordinal) that is not still joining."""
-        pods = self.roster.pods() or self.roster.admit()
-        ready = [pod for pod in pods if pod.id not in self.joining]
+        pods = self.roster.pods() or self.roster.candidates()  # asking admits no pod
+        joining = self.roster.joining()
+        ready = [pod for pod in pods if pod.id not in joining]
         if not ready:
             raise StepFailedError("train", "no healthy trainer is registered")
         return ready[0]
@@ -112,10 +111,6 @@ class StepBoundary:
         """``pod``'s trainer published ``version`` and its generator applied it."""
         self._synced[pod.id] = (pod, version)
 
-    def trained(self, pod_ids: set[str]) -> None:
-        """These pods' trainers hold the step's version: none of them is joining any more."""
-        self.joining -= pod_ids
-
     # -- the boundary itself ---------------------------------------------------------------------
     def _trainer_versions(self, pods: list[Pod]) -> dict[str, int]:
         """Each pod's trainer version (Info); a pod whose trainer does not answer leaves."""
@@ -156,8 +151,8 @@ class StepBoundary:
                 "to resume from its records and checkpoints"
             )
         self.roster.note_versions(versions, expected)
-        self.joining = {pod for pod, v in versions.items() if v < expected}
-        ready = [pod for pod in self.roster.pods() if pod.id not in self.joining]
+        joining = self.roster.joining()
+        ready = [pod for pod in self.roster.pods() if pod.id not in joining]
         if not ready and versions:
             pod, version = next(iter(versions.items()))
             raise RunFailedError(
@@ -165,10 +160,10 @@ class StepBoundary:
                 f" and no trainer holds version {expected} to heal it from; restart the run to "
                 "resume from its records and checkpoints"
             )
-        if self.joining:
+        if joining:
             log.info(
                 "pods %s join at version %d: their trainers heal from a peer in this step's Train",
-                sorted(self.joining),
+                sorted(joining),
                 expected,
             )
         # A generator that restarted, or missed a sync while it was unreachable, is brought
@@ -183,5 +178,5 @@ class StepBoundary:
                 if not isinstance(outcome, StepFailedError) or not self.lost(pod):
                     raise outcome
                 self.roster.drop(pod.id, f"align: {outcome}")
-        self.generating = [pod for pod in self.roster.pods() if pod.id not in self.joining]
+        self.generating = [pod for pod in self.roster.pods() if pod.id not in joining]
         return self.generating

@@ -207,6 +207,9 @@ class StepParts:
         """Each pod that trained the step syncs its generator to ``version``: pod → seconds."""
         if outcome is None:
             return {}
+        # Joining pods' generators get a full manifest (their first sync); their trainers
+        # hold the run's version now, so they stop joining.
+        joining = self.roster.joining()
         self.roster.note_trained(dict.fromkeys(outcome.replies, version))
         synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
         lost = self.boundary.lost
@@ -229,7 +232,7 @@ class StepParts:
                 version,
                 self.loop_config.max_step_attempts,
                 is_lost=lost,
-                align=frozenset(self.boundary.joining),
+                align=joining,
             ),
         )
         for pod in synced:
@@ -237,7 +240,6 @@ class StepParts:
                 self.boundary.synced(pod, version)
             else:
                 self.roster.drop(pod.id, "lost during the weight sync")
-        self.boundary.trained(set(outcome.replies))
         return sync_seconds
 
     def record(

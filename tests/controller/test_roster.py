@@ -1,0 +1,46 @@
+"""The roster keeps which pods are joining in one place, and asking for the lead pod admits
+none."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from podrl.config.transport import GrpcConfig
+from podrl.controller.pods.clients import WorkerClients
+from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.roster import PodPhase, PodRoster
+from podrl.controller.service.status import RunState
+from podrl.controller.step.boundary import StepBoundary
+from podrl.controller.step.weight_sync import WeightSync
+
+
+def _roster(*pods: str) -> PodRoster:
+    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+    for n, pod in enumerate(pods):
+        for component in (1, 2, 3):
+            registry.register(pod, component, f"127.0.0.1:{50000 + 10 * n + component}", "inc")
+    return PodRoster(registry)
+
+
+def test_joining_is_set_by_the_aligns_versions_and_cleared_once_the_trainer_trained() -> None:
+    roster = _roster("pod-0", "pod-1")
+    roster.admit()
+    roster.note_versions({"pod-0": 3, "pod-1": 1}, expected=3)
+    assert roster.joining() == {"pod-1"}
+    states = {row.id: row.state for row in roster.status()}
+    assert states == {"pod-0": PodPhase.TRAINING, "pod-1": PodPhase.JOINING}
+    roster.note_trained({"pod-0": 4, "pod-1": 4})
+    assert roster.joining() == frozenset()
+    assert {row.state for row in roster.status()} == {PodPhase.TRAINING}
+
+
+def test_asking_for_the_lead_pod_admits_none() -> None:
+    roster = _roster("pod-0", "pod-1")
+    state = RunState("lead", roster.registry, 1, roster=roster)
+    clients = WorkerClients(GrpcConfig())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        boundary = StepBoundary(state, roster, clients, pool, WeightSync(clients, pool))
+        assert boundary.lead().id == "pod-0"
+    # Before, an empty roster admitted the pods here: a new epoch outside any step boundary.
+    assert roster.epoch == 0 and roster.pods() == []
+    clients.close()
