@@ -568,12 +568,12 @@ class CrossPodReplica:
     def exchange(
         self,
         sums: torch.Tensor,
-        diff_max: torch.Tensor,
+        peaks: torch.Tensor,
         parameters: Iterable[torch.nn.Parameter],
         version: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank, after the pod's own reductions: the vote and the metric sums, the
-        largest logprob gap, then the SUM of every gradient over the pods. Raises
+        metric maxima ``peaks`` (MAX), then the SUM of every gradient over the pods. Raises
         ReplicaStepError if a pod failed or a cross-pod operation broke."""
         faults.hit("trainer.before_cross_pod_allreduce", rank=self._env.rank, version=version)
         self._voted = True
@@ -585,7 +585,7 @@ class CrossPodReplica:
                 f"{version + 1}; no pod stepped"
             )
         if error is None:
-            error = self._allreduce([diff_max], dist.ReduceOp.MAX)
+            error = self._allreduce([peaks], dist.ReduceOp.MAX)
         if error is None:
             error = self._reduce_gradients(list(parameters))
         if error is not None:
@@ -593,7 +593,7 @@ class CrossPodReplica:
                 f"the cross-pod exchange of version {version + 1} failed "
                 f"({type(error).__name__}: {error}); a pod left mid-step, nothing was stepped"
             ) from error
-        return vote[1:], diff_max
+        return vote[1:], peaks
 
     def _reduce_gradients(self, parameters: list[torch.nn.Parameter]) -> BaseException | None:
         """SUM each gradient's local shard over the pods, in flat buckets."""
