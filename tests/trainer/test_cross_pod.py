@@ -100,7 +100,25 @@ def _train_together(requests: dict[Pod, object]) -> dict[str, object]:
 
 
 def _same_metrics(a, b) -> None:
-    for field in ("loss", "pg_loss", "entropy", "ratio_mean", "grad_norm", "logprob_diff_mean"):
+    for field in (
+        "loss",
+        "pg_loss",
+        "entropy",
+        "ratio_mean",
+        "grad_norm",
+        "logprob_diff_mean",
+        # Sums and maxima over the pods; the pods' parameters are the same, so the update too.
+        "logprob_diff_max",
+        "ratio_min",
+        "ratio_max",
+        "is_weight_mean",
+        "is_weight_min",
+        "is_weight_max",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "mismatch_kl",
+        "update_ratio",
+    ):
         assert abs(getattr(a.metrics, field) - getattr(b.metrics, field)) <= TOLERANCE, field
     assert a.metrics.tokens == b.metrics.tokens
 
