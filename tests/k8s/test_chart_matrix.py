@@ -48,6 +48,7 @@ def test_every_object_passes_strict_schema_validation(case: Case) -> None:
     expected = {
         "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
         "PersistentVolumeClaim", "StatefulSet", "PodDisruptionBudget", "Pod", "Secret",
+        "NetworkPolicy",  # only the run's worker pods reach the Lighthouse (on by default)
     }  # fmt: skip
     if case.gpu_mode == "dra":
         expected.add("ResourceClaimTemplate")
