@@ -44,3 +44,17 @@ def test_asking_for_the_lead_pod_admits_none() -> None:
     # Before, an empty roster admitted the pods here: a new epoch outside any step boundary.
     assert roster.epoch == 0 and roster.pods() == []
     clients.close()
+
+
+def test_the_roster_remembers_syncs_until_the_next_align_and_which_pods_were_replaced() -> None:
+    roster = _roster("pod-0")
+    [pod] = roster.admit()
+    assert roster.replaced([pod]) == []
+    roster.note_synced(pod, 4)
+    assert roster.take_synced() == {"pod-0": (pod, 4)}
+    assert roster.take_synced() == {}  # one align reads them: a retry's align asks again
+    # The trainer restarted under the same worker id: the pod as admitted before is stale.
+    roster.registry.register("pod-0", 3, "127.0.0.1:50003", "inc-2")
+    [again] = roster.admit()
+    assert again != pod and roster.replaced([again]) == [pod]
+    assert roster.replaced([again]) == []

@@ -1,4 +1,5 @@
-"""The worker pods that train the policy, and the epoch: one owner for both.
+"""The worker pods that train the policy, and the epoch: one owner for both, and for every pod
+fact that outlives a step (joining, the trainer incarnation that trained, the last sync).
 
 A *pod* is one worker id (the StatefulSet pod's name in a cluster, ``local-N`` locally) whose
 generator, grader and trainer are all registered and healthy (``membership.py`` groups them).
@@ -120,6 +121,14 @@ class PodRoster:
         self._dropped: set[str] = set()
         self._epoch = 0
         self._shares = _StepShares()
+        self._trained_with: dict[str, str] = {}
+        """Pod id → the incarnation of its trainer process last sent a Train (a torchft
+        replica heartbeating to the Lighthouse)."""
+        self._seen: dict[str, Pod] = {}
+        """Each pod as last admitted."""
+        self._synced: dict[str, tuple[Pod, int]] = {}
+        """Pod id → (the pod, the version) of each sync that succeeded since the last
+        :meth:`take_synced`: its trainer published that version and its generator applied it."""
         metrics.DESIRED_REPLICAS.set_function(lambda: self.desired_replicas() or 0)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -239,6 +248,36 @@ class PodRoster:
         with self._lock:
             self._shares.versions.update(versions)
             self._shares.joining -= set(versions)
+
+    def replaced(self, pods: list[Pod]) -> list[Pod]:
+        """Of ``pods`` (just admitted), each pod as admitted before whose processes changed
+        since (their channels are stale); ``pods`` are remembered as admitted now."""
+        with self._lock:
+            before = [self._seen.get(pod.id) for pod in pods]
+            self._seen.update((pod.id, pod) for pod in pods)
+        return [old for old, pod in zip(before, pods, strict=True) if old not in (None, pod)]
+
+    def note_synced(self, pod: Pod, version: int) -> None:
+        """``pod``'s trainer published ``version`` and its generator applied it."""
+        with self._lock:
+            self._synced[pod.id] = (pod, version)
+
+    def take_synced(self) -> dict[str, tuple[Pod, int]]:
+        """The syncs that succeeded since the last call (one align reads them: a retry's
+        align asks every pod again)."""
+        with self._lock:
+            synced, self._synced = self._synced, {}
+            return synced
+
+    def trained_with(self) -> dict[str, str]:
+        """Pod id → the incarnation of its trainer process last sent a Train."""
+        with self._lock:
+            return dict(self._trained_with)
+
+    def note_train_set(self, incarnations: dict[str, str]) -> None:
+        """A Train goes to these trainers (pod id → its process's incarnation)."""
+        with self._lock:
+            self._trained_with.update(incarnations)
 
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> list[PodStatus]:

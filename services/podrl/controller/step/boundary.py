@@ -10,10 +10,10 @@ The loop asks :class:`StepBoundary` three things (docs/controller.md, "One step"
   (torchft's quorum counts each trainer that has trained in this run).
 - :meth:`~StepBoundary.lead`: the pod whose trainer writes checkpoints and exports.
 
-It owns the facts of the boundary itself: the trainer incarnation each pod last trained
-with, each pod as last admitted (a pod whose processes changed gets new channels), and the
-syncs that succeeded since the last align. Which pods are joining is the roster's
-(:meth:`PodRoster.joining`).
+The boundary is functions over the roster (pods/roster.py), which keeps every pod fact that
+outlives a step: which pods are joining, the trainer incarnation each pod last trained with,
+each pod as last admitted, the syncs that succeeded since the last align. Only the pods that
+generate, as of the last align, are kept here.
 """
 
 from __future__ import annotations
@@ -50,15 +50,6 @@ class StepBoundary:
         self.generating: list[Pod] = []
         """The pods whose generators generate, as of the last align (async mode's producer
         reads it)."""
-        self._replicas: dict[str, str] = {}
-        """Pod id → the incarnation of its trainer process last sent a Train (a torchft
-        replica heartbeating to the Lighthouse)."""
-        self._seen: dict[str, Pod] = {}
-        """Each pod as last admitted: a pod whose processes changed gets new channels."""
-        self._synced: dict[str, tuple[Pod, int]] = {}
-        """Pod id → (the pod, the version) of each sync that succeeded since the last align:
-        its trainer published that version and its generator applied it, so the next align
-        need not ask them again (one align reads and clears it: a retry's align asks all)."""
 
     # -- what the loop reads ---------------------------------------------------------------------
     def lead(self) -> Pod:
@@ -99,17 +90,12 @@ class StepBoundary:
                 self.roster.drop(pod.id, "its trainer is draining, terminating or gone")
             else:
                 trainers[pod.id] = pod.trainer
+        trained_with = self.roster.trained_with()
         for pod_id, member in healthy.items():
-            if self._replicas.get(pod_id) == member.incarnation and pod_id not in terminating:
+            if trained_with.get(pod_id) == member.incarnation and pod_id not in terminating:
                 trainers.setdefault(pod_id, member.address)
-        for pod_id in trainers:
-            self._replicas[pod_id] = healthy[pod_id].incarnation
+        self.roster.note_train_set({pod_id: healthy[pod_id].incarnation for pod_id in trainers})
         return {pod_id: trainers[pod_id] for pod_id in sorted(trainers, key=pod_order)}
-
-    # -- what the weight sync tells it -----------------------------------------------------------
-    def synced(self, pod: Pod, version: int) -> None:
-        """``pod``'s trainer published ``version`` and its generator applied it."""
-        self._synced[pod.id] = (pod, version)
 
     # -- the boundary itself ---------------------------------------------------------------------
     def _trainer_versions(self, pods: list[Pod]) -> dict[str, int]:
@@ -133,13 +119,10 @@ class StepBoundary:
         pods = self.roster.admit()
         if not pods:
             raise StepFailedError("align", "no complete, healthy worker pod is registered")
-        for pod in pods:
-            before = self._seen.get(pod.id)
-            if before is not None and before != pod:  # a process restarted: fresh channels
-                for address in {before.trainer, before.generator, before.grader}:
-                    self.clients.forget(address)
-            self._seen[pod.id] = pod
-        synced, self._synced = self._synced, {}
+        for before in self.roster.replaced(pods):  # a process restarted: fresh channels
+            for address in {before.trainer, before.generator, before.grader}:
+                self.clients.forget(address)
+        synced = self.roster.take_synced()
         settled = {pod.id for pod in pods if synced.get(pod.id) == (pod, expected)}
         versions = self._trainer_versions([pod for pod in pods if pod.id not in settled])
         versions |= dict.fromkeys(settled, expected)

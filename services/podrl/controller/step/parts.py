@@ -237,7 +237,7 @@ class StepParts:
         )
         for pod in synced:
             if pod.id in sync_seconds:
-                self.boundary.synced(pod, version)
+                self.roster.note_synced(pod, version)
             else:
                 self.roster.drop(pod.id, "lost during the weight sync")
         return sync_seconds
