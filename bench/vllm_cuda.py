@@ -378,7 +378,7 @@ def _channel(address: str) -> grpc.Channel:
 def generator_service(opts: Options, model: Path, run_dir: Path) -> Iterator[Any]:
     """The generator service in this process (real VllmEngine, servicer and ServiceProcess);
     yields (engine, stub) once SERVING."""
-    import podrl.generator.engine as engine_module
+    import podrl.generator.engine_build as engine_module
     from podrl.common.service import ServiceProcess
     from podrl.config import load_config
     from podrl.generator.engine import VllmEngine

@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator import cpu_linear, engine_processes
-from podrl.generator.cpu_linear import CPU_LINEAR_ENV
+from podrl.generator import engine_processes
 from podrl.generator.deadlines import deadline_after, seconds_left
+from podrl.generator.engine_build import build_engine, engine_core_placement
 from podrl.generator.in_flight import (
     BETWEEN_STEPS,
     UNSUPPORTED,
@@ -60,10 +60,8 @@ from podrl.generator.in_flight import (
     RunningGenerates,
     in_flight_apply_kind,
 )
-from podrl.generator.inline_engine import InlineEngine
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
-from podrl.generator.vllm_plugin import IDLE_SPIN_ENV
 from podrl.generator.weight_state import (
     NEEDS_FULL_HINT,
     WeightApplyError,
@@ -78,11 +76,6 @@ from podrl.weights.keys import GeneratorKey
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-WORKER_EXTENSION = "podrl.generator.worker_extension.PodrlWorkerExtension"
-CPU_IDLE_SPIN_SECONDS = 0.05
-"""generator.vllm_idle_spin_seconds when unset on CPU: a decoding step reads its next message
-well within it, so generation itself still never sleeps between steps."""
 
 
 class GeneratorUnavailableError(RuntimeError):
@@ -220,7 +213,10 @@ class VllmEngine:
         engine_processes.children_die_with_generator()
         self._socket_dir = engine_processes.own_socket_dir()
         self._thread.start()
-        self._engine = self._run(self._build(), self._config.engine_start_timeout_seconds)
+        self._engine = self._run(
+            build_engine(self._config, self._model_path, self.engine_core),
+            self._config.engine_start_timeout_seconds,
+        )
         replies = self._run(
             self._engine.collective_rpc(
                 "podrl_describe", args=(self._config.weight_apply_mode, os.getpid())
@@ -266,58 +262,10 @@ class VllmEngine:
         )
         return self.facts
 
-    async def _build(self) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        cfg = self._config
-        chunked_prefill = cfg.enable_chunked_prefill
-        if chunked_prefill is None and current_platform.is_cpu():
-            chunked_prefill = False  # see GeneratorConfig.enable_chunked_prefill
-        idle_spin = cfg.vllm_idle_spin_seconds
-        if idle_spin is None and current_platform.is_cpu():
-            idle_spin = CPU_IDLE_SPIN_SECONDS
-        if idle_spin is not None:
-            # Read by podrl.generator.vllm_plugin in the engine processes vLLM spawns.
-            os.environ[IDLE_SPIN_ENV] = repr(float(idle_spin))
-        # Plain CPU linear weights: this process loads the model when the engine core runs in
-        # it (the patch is made here; vLLM may have loaded its plugins already). vLLM's own
-        # engine-core and worker processes keep vLLM's kernels (measured: they never ran the
-        # plugin's patch), so there auto resolves to repack.
-        if current_platform.is_cpu() and self.engine_core == "in_process":
-            os.environ[CPU_LINEAR_ENV] = cfg.cpu_linear_weights
-            cpu_linear.apply_from_environment()
-        else:
-            os.environ.pop(CPU_LINEAR_ENV, None)
-        args = AsyncEngineArgs(
-            model=str(self._model_path),
-            dtype=cfg.dtype,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            max_num_seqs=cfg.max_num_seqs,
-            enable_chunked_prefill=chunked_prefill,
-            logprobs_mode=cfg.logprobs_mode,
-            enable_sleep_mode=cfg.enable_sleep_mode,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-        if self.engine_core == "in_process":
-            return InlineEngine.from_engine_args(args)
-        return AsyncLLM.from_engine_args(args)
-
     @property
     def engine_core(self) -> str:
-        """Where vLLM's engine core runs: ``in_process`` or ``separate_process``
-        (``generator.engine_core``; auto is in_process on CPU)."""
-        from vllm.platforms import current_platform
-
-        if self._config.engine_core != "auto":
-            return self._config.engine_core
-        return "in_process" if current_platform.is_cpu() else "separate_process"
+        """Where vLLM's engine core runs (``engine_build.engine_core_placement``)."""
+        return engine_core_placement(self._config)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit, their handles close)."""
