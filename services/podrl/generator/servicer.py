@@ -33,13 +33,12 @@ import grpc
 import podrl
 from podrl.config import RunConfig
 from podrl.generator.engine import (
-    GeneratorUnavailableError,
-    InvalidRequestError,
     NonFiniteOutputError,
     SamplingRequest,
     SleepUnsupportedError,
     VllmEngine,
 )
+from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.rw_lock import LockTimeoutError
 from podrl.generator.weight_state import WeightApplyError, WeightPhase, WeightsNotServableError
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc

@@ -1,0 +1,389 @@
+"""Applying a weight manifest to vLLM's workers, and the engine's mirror of their weight state.
+
+Which version the generator serves belongs to the workers (``podrl.generator.weight_state``):
+the engine keeps no counter, only a mirror of the state the workers send back with every
+reply. :class:`WeightApplier` is the one writer of that mirror, and owns what an apply needs
+around the workers' call:
+
+* the readers-writer lock: every Generate holds the read side (:meth:`WeightApplier.reading`)
+  from submission to its last token, an apply the write side, so a swap waits for running
+  Generate calls, holds new ones back, and every sample is produced by one policy version;
+  after a swap the prefix cache is reset (its KV blocks came from the old weights);
+* one change of the weights at a time (an apply, a sleep, a wake-up: :meth:`exclusive`); an
+  apply with ``in_flight`` takes no write lock and lands between two engine steps while
+  Generate calls run (``podrl.generator.in_flight``), on the loop thread between steps
+  (:meth:`_land_between_steps`, in-process engine core) or with vLLM's scheduler paused in keep
+  mode (:meth:`_land_paused`, ``AsyncLLM``);
+* deadlines: an apply that passes its caller's deadline keeps the write lock while the workers
+  may still be writing, for at most ``weight_apply_overrun_seconds`` more; after that the mirror
+  says needs_full (Generate refused) until the next apply has waited for that one (the
+  unsettled apply) and re-read the workers' state.
+
+Before an apply takes any lock, the manifest must carry the MAC of the pod's weights key
+(``podrl.weights.keys``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a forged or
+oversized manifest is refused (PERMISSION_DENIED / INVALID_ARGUMENT) without holding back a
+single Generate and without touching the weight state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from podrl.config.generator import GeneratorConfig
+from podrl.generator.deadlines import deadline_after, seconds_left
+from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.errors import InvalidRequestError
+from podrl.generator.in_flight import BETWEEN_STEPS, UNSUPPORTED, RunningGenerates
+from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
+from podrl.generator.weight_state import (
+    NEEDS_FULL_HINT,
+    WeightApplyError,
+    WeightPhase,
+    WeightState,
+    combine,
+)
+from podrl.v1 import weights_pb2
+from podrl.weights.errors import ManifestError, ManifestErrorKind
+from podrl.weights.keys import GeneratorKey
+
+log = logging.getLogger(__name__)
+
+
+class ApplyDeadlineError(TimeoutError):
+    """ApplyWeights passed its deadline (or an earlier apply that did is still running)."""
+
+
+@dataclass
+class ApplyResult:
+    policy_version: int
+    seconds: float
+    plan_cached: bool
+    mode: str
+    in_flight: bool = False
+    """Applied while Generate calls could run (between two engine steps)."""
+
+
+class WeightApplier:
+    """Has vLLM's workers apply manifests; the one writer of the engine's mirror of their
+    weight state. Thread-safe."""
+
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        engine: Any,
+        loop: EngineLoop,
+        *,
+        state: WeightState,
+        in_flight_apply: str,
+        parameter_count: int,
+        trusted_publisher_id: str,
+        key: GeneratorKey,
+        require_awake: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._loop = loop
+        self._state = state
+        """Mirror of the workers' weight state, replaced only from their replies (and set to
+        needs_full while an apply they may still be running is unsettled)."""
+        self.in_flight_apply = in_flight_apply
+        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
+        self._parameter_count = parameter_count
+        self._trusted_publisher_id = trusted_publisher_id
+        self._key = key
+        self._require_awake = require_awake
+        self._lock = ReadWriteLock()
+        self._one_change = threading.Lock()
+        """Held by every apply, sleep and wake-up: an in-flight apply takes no write lock, and
+        must still never overlap another change of the weights."""
+        self.running = RunningGenerates()
+        """Generate calls on the loop thread (an in-flight apply that fails part-way fails
+        them)."""
+        self._unsettled: tuple[concurrent.futures.Future[Any], int] | None = None
+        """An apply the engine stopped waiting for: its future, its version."""
+
+    @property
+    def state(self) -> WeightState:
+        """The workers' weight state as last reported (see ``podrl.generator.weight_state``)."""
+        return self._state
+
+    def reading(self, timeout: float | None) -> AbstractContextManager[None]:
+        """The read side of the lock, for one Generate call (``LockTimeoutError`` after
+        ``timeout``)."""
+        return self._lock.read(timeout)
+
+    @contextmanager
+    def exclusive(self, deadline: float | None) -> Iterator[None]:
+        """No apply, Generate, sleep or wake-up runs meanwhile (sleep mode)."""
+        with self._changing_weights(deadline), self._lock.write(seconds_left(deadline)):
+            yield
+
+    # ---- applying --------------------------------------------------------------------------
+
+    def apply(
+        self,
+        manifest: weights_pb2.WeightManifest,
+        timeout: float | None,
+        rollback: bool = False,
+        in_flight: bool = False,
+    ) -> ApplyResult:
+        """Have every worker apply ``manifest``. Raises ``ManifestError`` (refused, nothing
+        written), ``WeightApplyError`` (failed; its ``state`` says whether the previous version
+        still serves or a full manifest is needed), ``ApplyDeadlineError``,
+        ``LockTimeoutError``, ``GeneratorUnavailableError`` (asleep) or ``InvalidRequestError``
+        (``in_flight`` with ``rollback``).
+
+        Applying the version already served from the same storage again is a no-op success, so
+        a caller that lost the reply can simply retry. ``rollback`` accepts an older version
+        (the trainer restarted from a checkpoint): full manifests only, handles reopened.
+        ``in_flight``: do not wait for running Generate calls, where the engine can
+        (``podrl.generator.in_flight``); else the apply waits for them as without."""
+        from podrl.weights.receiver import check_shard_count
+
+        if in_flight and rollback:
+            raise InvalidRequestError(
+                "in_flight with rollback: a rollback is applied between generate calls (the "
+                "samples running would mix a newer version into older ones); leave in_flight "
+                "unset"
+            )
+        deadline = deadline_after(timeout)
+        # Outside the locks, so Generate never waits for a manifest that is refused.
+        check_shard_count(manifest, self._parameter_count)
+        key = self._key.verify(manifest)
+        in_flight = in_flight and self.in_flight_apply != UNSUPPORTED
+        args = (
+            manifest.SerializeToString(),
+            self._config.weight_apply_mode,
+            self._trusted_publisher_id,
+            rollback,
+            key.owner_uid,
+        )
+        with self._changing_weights(deadline):
+            if in_flight:
+                return self._apply_in_flight(args, manifest.version, deadline)
+            with self._lock.write(seconds_left(deadline)):
+                return self._apply_between_generates(args, manifest.version, deadline)
+
+    @contextmanager
+    def _changing_weights(self, deadline: float | None) -> Iterator[None]:
+        """One apply, sleep or wake-up at a time."""
+        left = seconds_left(deadline)
+        if not self._one_change.acquire(timeout=-1 if left is None else left):
+            raise LockTimeoutError("timed out waiting for another weight apply to finish")
+        try:
+            yield
+        finally:
+            self._one_change.release()
+
+    def _apply_between_generates(
+        self, args: tuple[Any, ...], version: int, deadline: float | None
+    ) -> ApplyResult:
+        """The apply, holding the write lock (no Generate runs)."""
+        self._require_awake()
+        self.settle(deadline)
+        before = self._state
+        self._state = before.begin(version)
+        future = self._loop.submit(self._engine.collective_rpc("podrl_apply_manifest", args=args))
+        # Sent right behind the apply, not after its reply: one round trip to vLLM's engine
+        # core fewer (1-2 ms on an H200, bench/apply_anatomy.py). The engine core runs
+        # utility calls one after the other, and the write lock keeps every Generate out
+        # until both are done, so no KV block of the old weights survives; a refused
+        # manifest costs a cache reset, nothing else.
+        reset = self._loop.submit(self._engine.reset_prefix_cache())
+        try:
+            replies = self._await_apply(future, version, deadline)
+        except ApplyDeadlineError:
+            raise
+        except Exception as exc:
+            self._state = before.needs_full(
+                f"applying version {version}: the workers did not answer ({exc})"
+            )
+            raise
+        self._state = combine([WeightState.from_wire(r["state"]) for r in replies])
+        reset.result(60)
+        return self._commit(replies, version)
+
+    def _apply_in_flight(
+        self, args: tuple[Any, ...], version: int, deadline: float | None
+    ) -> ApplyResult:
+        """The apply while Generate calls may run: the mirror changes on the loop thread, in
+        :meth:`_land_between_steps` or :meth:`_land_paused`, between two engine steps."""
+        self._require_awake()
+        self.settle(deadline)
+        if self.in_flight_apply == BETWEEN_STEPS:
+            future = self._engine.call_between_steps(
+                functools.partial(self._land_between_steps, args, version)
+            )
+        else:
+            future = self._loop.submit(self._land_paused(args, version))
+        replies = self._await_apply(future, version, deadline)
+        result = self._commit(replies, version)
+        result.in_flight = True
+        return result
+
+    def _land_between_steps(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+        """In-process engine core, on the loop thread between two engine steps: apply, then
+        what :meth:`_landed` says (no step runs meanwhile)."""
+        before = self._state
+        try:
+            replies = self._engine.collective_rpc_now("podrl_apply_manifest", args)
+        except Exception as exc:
+            self._not_landed(before, version, exc)
+            raise
+        if self._landed(replies, before, version):
+            self._engine.reset_prefix_cache_now(reset_running_requests=True)
+        return replies
+
+    async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+        """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
+        keep mode (requests stay) around the apply and what :meth:`_landed` says."""
+        core = self._engine.engine_core
+        # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
+        # that aborted requests' last outputs arrive first (keep mode aborts none; an output
+        # still on its way is read with the newer version: a bound, not a lie).
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            before = self._state
+            try:
+                replies = await self._engine.collective_rpc("podrl_apply_manifest", args=args)
+            except Exception as exc:
+                self._not_landed(before, version, exc)
+                raise
+            if self._landed(replies, before, version):
+                await self._engine.reset_prefix_cache(reset_running_requests=True)
+            return replies
+        finally:
+            await core.resume_scheduler_async()
+
+    def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
+        """Mirror the workers' state before any further engine step. True when the version
+        changed: the running requests' KV blocks must then be recomputed by the new weights
+        (the prefix cache reset preempts them). An apply that left needs_full fails the
+        running Generate calls instead."""
+        self._state = combine([WeightState.from_wire(r["state"]) for r in replies])
+        if self._state.phase is WeightPhase.NEEDS_FULL:
+            failed = self.running.fail_all(
+                f"applying version {version} in flight failed part-way ({self._state.reason})"
+            )
+            log.error(
+                "the failed in-flight apply of version %d failed %d Generate calls", version, failed
+            )
+            return False
+        return self._state != before
+
+    def _not_landed(self, before: WeightState, version: int, exc: Exception) -> None:
+        """The workers did not answer: their weights are unknown."""
+        why = f"applying version {version} in flight: the workers did not answer ({exc})"
+        self._state = before.needs_full(why)
+        self.running.fail_all(why)
+
+    def _await_apply(
+        self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
+    ) -> Any:
+        """The workers' replies. Past the deadline the write lock stays held (the workers may
+        still be writing) for the overrun; after that the apply is left unsettled and the
+        mirror says needs_full, so no Generate runs on weights of no known version."""
+        try:
+            return future.result(seconds_left(deadline))
+        except concurrent.futures.TimeoutError:
+            pass
+        overrun = self._config.weight_apply_overrun_seconds
+        passed = time.monotonic()
+        log.warning(
+            "applying version %d passed its deadline; Generate waits up to %.0fs more for the "
+            "workers to finish",
+            version,
+            overrun,
+        )
+        try:
+            replies = future.result(overrun)
+        except concurrent.futures.TimeoutError:
+            self._unsettled = (future, version)
+            self._state = self._state.needs_full(
+                f"applying version {version} passed its deadline and "
+                f"weight_apply_overrun_seconds ({overrun:g}); the workers may still be writing"
+            )
+            raise ApplyDeadlineError(
+                f"applying version {version} passed its deadline and {overrun:g}s of overrun; "
+                f"{NEEDS_FULL_HINT} (Generate is refused until one is applied)"
+            ) from None
+        log.warning(
+            "applying version %d finished %.1fs after its deadline",
+            version,
+            time.monotonic() - passed,
+        )
+        return replies
+
+    def settle(self, deadline: float | None) -> None:
+        """Wait for an apply the engine stopped waiting for, then re-read the workers' state
+        (what that apply left is theirs to say). Called holding :meth:`exclusive` or the
+        change lock."""
+        if self._unsettled is None:
+            return
+        future, version = self._unsettled
+        try:
+            future.result(seconds_left(deadline))
+        except concurrent.futures.TimeoutError:
+            raise ApplyDeadlineError(
+                f"an earlier apply of version {version} is still running in the workers; "
+                f"{NEEDS_FULL_HINT} after it ended, retry"
+            ) from None
+        except Exception:
+            log.exception("the unsettled apply of version %d failed", version)
+        self._unsettled = None
+        states = self._loop.run(
+            self._engine.collective_rpc("podrl_weight_state"), seconds_left(deadline)
+        )
+        self._state = combine([WeightState.from_wire(s) for s in states])
+        # That apply may have changed the weights: KV blocks of the old ones must go, those of
+        # requests still running (it was in flight) too.
+        self._loop.run(self._engine.reset_prefix_cache(reset_running_requests=True), 60)
+        log.info("the apply of version %d settled: %s", version, self._state.describe())
+
+    def _commit(self, replies: list[dict[str, Any]], version: int) -> ApplyResult:
+        """Raise what went wrong in the workers' ``replies`` (the mirror already holds their
+        state), or return the result."""
+        refused = [r for r in replies if r.get("error_kind")]
+        failed = [r for r in replies if r.get("apply_error")]
+        if refused and len(refused) == len(replies):
+            first = refused[0]
+            raise ManifestError(
+                ManifestErrorKind(first["error_kind"]),
+                first["error_message"],
+                name=first.get("error_name"),
+            )
+        if refused or failed:
+            causes = [r.get("apply_error") or r.get("error_message") for r in refused + failed]
+            if self._state.phase is WeightPhase.NEEDS_FULL:
+                outcome = NEEDS_FULL_HINT
+            else:
+                outcome = f"version {self._state.version} keeps serving; retry"
+            raise WeightApplyError(
+                f"applying version {version} failed in the workers ({'; '.join(causes)}); "
+                f"{outcome}",
+                self._state,
+            )
+        return ApplyResult(
+            policy_version=self._state.version,
+            seconds=max(r["seconds"] for r in replies),
+            plan_cached=all(r["plan_cached"] for r in replies),
+            mode=replies[0]["mode"],
+        )
+
+    # ---- sleep mode --------------------------------------------------------------------------
+
+    def weights_dropped(self, reason: str, timeout: float | None) -> None:
+        """The served parameters are gone (a level-2 sleep): the workers close their handles
+        and say needs_full; call holding :meth:`exclusive`."""
+        states = self._loop.run(
+            self._engine.collective_rpc("podrl_drop_weights", args=(reason,)), timeout
+        )
+        self._state = combine([WeightState.from_wire(s) for s in states])
