@@ -46,7 +46,8 @@ import torch  # noqa: E402
 
 from bench import results_table  # noqa: E402
 from podrl.config.generator import GeneratorConfig  # noqa: E402
-from podrl.generator.engine import SamplingRequest, VllmEngine  # noqa: E402
+from podrl.generator.engine import VllmEngine  # noqa: E402
+from podrl.generator.generation import SamplingRequest  # noqa: E402
 from podrl.models.tiny import make_tiny_model  # noqa: E402
 from podrl.weights.keys import (  # noqa: E402
     WEIGHTS_KEY_FILE_ENV,

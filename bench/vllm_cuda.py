@@ -695,7 +695,7 @@ def check_sleep(pod: Pod) -> None:
 
 def measure_throughput(pod: Pod) -> None:
     """Generate through gRPC vs the same VllmEngine called in-process (same prompts, params)."""
-    from podrl.generator.engine import SamplingRequest
+    from podrl.generator.generation import SamplingRequest
 
     opts = pod.opts
     prompts = fixed_prompts(opts.throughput_prompts, 32, seed=3)
