@@ -1,10 +1,15 @@
-"""The vLLM version differences live in podrl.generator.vllm_compat (docs/generator.md)."""
+"""The vLLM version differences and every call into vLLM's internals live in
+podrl.generator.vllm_compat (docs/generator.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import vllm
@@ -57,3 +62,141 @@ def test_request_errors_without_vllm_client_error_as_in_0_26(
 ) -> None:
     monkeypatch.delattr(vllm.exceptions, "VLLMClientError")
     assert vllm_compat.request_errors() == (ValueError,)
+
+
+# ---- each vLLM internal the generator calls, pinned without starting an engine ----------------
+# Every call below is made in podrl.generator.vllm_compat only; a vLLM that renames a function,
+# drops a parameter or stops setting an attribute fails its test here.
+
+
+def _binds(function: Any, *args: Any, **kwargs: Any) -> None:
+    """``function`` (unwrapped) accepts the call podrl makes (TypeError otherwise)."""
+    inspect.signature(inspect.unwrap(function)).bind(*args, **kwargs)
+
+
+def _assigns(cls: type, attribute: str) -> None:
+    assert f"self.{attribute} =" in inspect.getsource(cls.__init__), (cls, attribute)
+
+
+def test_the_async_engine_core_client_pauses_in_keep_mode_and_resumes() -> None:
+    """In-flight applies on ``AsyncLLM`` (``pause_scheduler_keeping_requests``,
+    ``resume_scheduler``): a client without keep mode would abort the running requests."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import AsyncMPClient
+
+    _assigns(AsyncLLM, "engine_core")
+    client = AsyncMPClient.__new__(AsyncMPClient)  # methods only: nothing connects
+    assert vllm_compat.pauses_in_keep_mode(SimpleNamespace(engine_core=client))
+    _binds(AsyncMPClient.pause_scheduler_async, client, mode="keep", clear_cache=False)
+    _binds(AsyncMPClient.resume_scheduler_async, client)
+
+
+def test_pausing_and_resuming_send_what_the_signatures_were_checked_for() -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    class Core:
+        async def pause_scheduler_async(self, **kwargs: Any) -> None:
+            calls.append(("pause", kwargs))
+
+        async def resume_scheduler_async(self, **kwargs: Any) -> None:
+            calls.append(("resume", kwargs))
+
+    engine = SimpleNamespace(engine_core=Core())
+    asyncio.run(vllm_compat.pause_scheduler_keeping_requests(engine))
+    asyncio.run(vllm_compat.resume_scheduler(engine))
+    assert calls == [("pause", {"mode": "keep", "clear_cache": False}), ("resume", {})]
+
+
+def test_both_engines_count_unfinished_requests_in_their_output_processor() -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    _assigns(AsyncLLM, "output_processor")
+    _assigns(LLMEngine, "output_processor")
+    _binds(OutputProcessor.get_num_unfinished_requests, object())
+
+
+def test_the_in_process_engine_is_built_and_shut_down_as_vllm_llm_does() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor import Executor
+
+    _binds(EngineArgs.create_engine_config, object())
+    _binds(Executor.get_class, object())
+    _binds(
+        LLMEngine.__init__,
+        object(),
+        vllm_config=object(),
+        executor_class=Executor,
+        log_stats=False,
+        multiprocess_mode=False,
+    )
+    _assigns(LLMEngine, "engine_core")
+    _binds(InprocClient.shutdown, object())
+
+
+def test_vllm_reads_the_environment_variables_podrl_sets() -> None:
+    import vllm.envs
+
+    for name in (vllm_compat.MULTIPROCESSING_ENV, vllm_compat.RPC_BASE_PATH_ENV):
+        assert name in vllm.envs.environment_variables, name
+
+
+def test_the_layout_vllm_recorded_at_load_is_read_per_module() -> None:
+    """``auto`` picks the apply mode from it: an unrecorded module has no recorded tensors."""
+    import torch
+
+    assert vllm_compat.recorded_layout(torch.nn.Linear(2, 2)) == {}
+
+
+def test_the_layerwise_reload_and_its_finalisation_take_podrls_arguments() -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    # The worker forwards to its model runner, under the worker's vLLM config.
+    assert "self.model_runner.reload_weights(" in inspect.getsource(Worker.reload_weights)
+    assert issubclass(CPUWorker, Worker) and issubclass(CPUModelRunner, GPUModelRunner)
+    _binds(
+        GPUModelRunner.reload_weights,
+        object(),
+        weights_iterator=iter(()),
+        is_checkpoint_format=True,
+    )
+    assert "finalize_layerwise_processing(" in inspect.getsource(
+        layerwise.finalize_layerwise_reload
+    )
+    _binds(layerwise.finalize_layerwise_processing, object(), object())
+    _binds(set_current_vllm_config, object())
+
+
+def test_the_unquantised_methods_repack_one_layer_at_a_time() -> None:
+    for method in vllm_compat.unquantized_methods():
+        _binds(method.process_weights_after_loading, method(), object())
+
+
+def test_tensor_parallel_rank_and_size_take_no_arguments() -> None:
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    _binds(get_tensor_model_parallel_rank)
+    _binds(get_tensor_model_parallel_world_size)
+
+
+def test_the_functions_podrls_plugins_replace_keep_their_signatures() -> None:
+    """``cpu_linear`` replaces vLLM's CPU GEMM dispatch and calls the original for other
+    layers; ``vllm_plugin`` wraps ``SpinCondition.__init__`` and sets ``busy_loop_s``."""
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.model_executor.layers import utils
+
+    _binds(utils.dispatch_cpu_unquantized_gemm, object(), True)
+    _binds(shm_broadcast.SpinCondition.__init__, object(), is_reader=True, context=None,
+           notify_address="", busy_loop_s=0.05)  # fmt: skip
+    assert "self.busy_loop_s" in inspect.getsource(shm_broadcast.SpinCondition)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator import engine_processes
+from podrl.generator import engine_processes, vllm_compat
 from podrl.generator.engine_build import build_engine, engine_core_placement
 from podrl.generator.engine_loop import EngineLoop
 from podrl.generator.errors import GeneratorUnavailableError
@@ -194,7 +194,7 @@ class VllmEngine:
         """Sequences the engine holds now (vLLM's output processor, either engine core)."""
         if self._engine is None:
             return 0
-        return int(self._engine.output_processor.get_num_unfinished_requests())
+        return vllm_compat.unfinished_requests(self._engine)
 
     @property
     def sleeping(self) -> bool:

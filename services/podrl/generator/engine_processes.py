@@ -48,12 +48,14 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from podrl.generator.vllm_compat import RPC_BASE_PATH_ENV
+
 log = logging.getLogger(__name__)
 
 # As in podrl.weights.shm, which imports torch; this module must not (podrl up imports it).
 SHM_DIR = Path("/dev/shm")
 PROC_DIR = Path("/proc")
-SOCKET_DIR_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_DIR_ENV = RPC_BASE_PATH_ENV
 UNKNOWN_START = "unknown"
 
 RECORD_PREFIX = "podrl-vllm-"

