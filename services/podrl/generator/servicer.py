@@ -37,7 +37,9 @@ from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestErro
 from podrl.generator.generation import NonFiniteOutputError, SamplingRequest
 from podrl.generator.rw_lock import LockTimeoutError
 from podrl.generator.sleep_mode import SleepUnsupportedError
-from podrl.generator.weight_state import WeightApplyError, WeightPhase, WeightsNotServableError
+from podrl.generator.weight_applier import WeightApplyError
+from podrl.generator.weight_state import WeightsNotServableError
+from podrl.generator.worker_messages import ErrorKind
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from podrl.weights.errors import ManifestError
 
@@ -48,6 +50,17 @@ _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
+
+
+APPLY_FAILURE_STATUS = {
+    # The previous version keeps serving: the caller retries.
+    ErrorKind.FAILED_KEEPS_SERVING: grpc.StatusCode.ABORTED,
+    # The controller answers this with the full manifest.
+    ErrorKind.FAILED_NEEDS_FULL: grpc.StatusCode.FAILED_PRECONDITION,
+    # A refusal is answered by its manifest error's kind (``ManifestError.status_code``); one
+    # worker's refusal beside another's failure keeps serving or needs a full manifest.
+}
+"""ApplyWeights' status for an apply the workers failed, by the kind they reported."""
 
 
 def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
@@ -180,9 +193,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             context.abort(err.status_code, str(err))
         except WeightApplyError as err:
             log.error("%s", err)
-            if err.state.phase is WeightPhase.NEEDS_FULL:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            context.abort(grpc.StatusCode.ABORTED, str(err))
+            context.abort(APPLY_FAILURE_STATUS[err.kind], str(err))
         except GeneratorUnavailableError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except (TimeoutError, LockTimeoutError) as err:

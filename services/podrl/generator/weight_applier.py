@@ -44,18 +44,27 @@ from podrl.generator.engine_loop import EngineLoop
 from podrl.generator.errors import InvalidRequestError
 from podrl.generator.in_flight import BETWEEN_STEPS, UNSUPPORTED, RunningGenerates
 from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
-from podrl.generator.weight_state import (
-    NEEDS_FULL_HINT,
-    WeightApplyError,
-    WeightPhase,
-    WeightState,
-    combine,
-)
+from podrl.generator.weight_state import NEEDS_FULL_HINT, WeightPhase, WeightState, combine
+from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2
-from podrl.weights.errors import ManifestError, ManifestErrorKind
 from podrl.weights.keys import GeneratorKey
 
 log = logging.getLogger(__name__)
+
+
+APPLY_METHOD = "podrl_apply_manifest"
+"""The workers' apply (``PodrlWorkerExtension.podrl_apply_manifest``)."""
+
+
+class WeightApplyError(RuntimeError):
+    """An apply failed after it was admitted; ``kind`` says what the caller must do
+    (``FAILED_KEEPS_SERVING``: retry; ``FAILED_NEEDS_FULL``: send a full manifest), ``state``
+    is what the workers hold now."""
+
+    def __init__(self, message: str, kind: ErrorKind, state: WeightState) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.state = state
 
 
 class ApplyDeadlineError(TimeoutError):
@@ -108,7 +117,7 @@ class WeightApplier:
         self.running = RunningGenerates()
         """Generate calls on the loop thread (an in-flight apply that fails part-way fails
         them)."""
-        self._unsettled: tuple[concurrent.futures.Future[Any], int] | None = None
+        self._unsettled: tuple[concurrent.futures.Future[list[WorkerReply]], int] | None = None
         """An apply the engine stopped waiting for: its future, its version."""
 
     @property
@@ -160,18 +169,18 @@ class WeightApplier:
         check_shard_count(manifest, self._parameter_count)
         key = self._key.verify(manifest)
         in_flight = in_flight and self.in_flight_apply != UNSUPPORTED
-        args = (
-            manifest.SerializeToString(),
-            self._config.weight_apply_mode,
-            self._trusted_publisher_id,
-            rollback,
-            key.owner_uid,
+        request = ApplyRequest(
+            manifest=manifest.SerializeToString(),
+            mode=self._config.weight_apply_mode,
+            trusted_publisher_id=self._trusted_publisher_id,
+            rollback=rollback,
+            segment_owner_uid=key.owner_uid,
         )
         with self._changing_weights(deadline):
             if in_flight:
-                return self._apply_in_flight(args, manifest.version, deadline)
+                return self._apply_in_flight(request, manifest.version, deadline)
             with self._lock.write(seconds_left(deadline)):
-                return self._apply_between_generates(args, manifest.version, deadline)
+                return self._apply_between_generates(request, manifest.version, deadline)
 
     @contextmanager
     def _changing_weights(self, deadline: float | None) -> Iterator[None]:
@@ -185,14 +194,14 @@ class WeightApplier:
             self._one_change.release()
 
     def _apply_between_generates(
-        self, args: tuple[Any, ...], version: int, deadline: float | None
+        self, request: ApplyRequest, version: int, deadline: float | None
     ) -> ApplyResult:
         """The apply, holding the write lock (no Generate runs)."""
         self._require_awake()
         self.settle(deadline)
         before = self._state
         self._state = before.begin(version)
-        future = self._loop.submit(self._engine.collective_rpc("podrl_apply_manifest", args=args))
+        future = self._loop.submit(self._send(request))
         # Sent right behind the apply, not after its reply: one round trip to vLLM's engine
         # core fewer (1-2 ms on an H200, bench/apply_anatomy.py). The engine core runs
         # utility calls one after the other, and the write lock keeps every Generate out
@@ -208,12 +217,12 @@ class WeightApplier:
                 f"applying version {version}: the workers did not answer ({exc})"
             )
             raise
-        self._state = combine([WeightState.from_wire(r["state"]) for r in replies])
+        self._state = combine([r.state for r in replies])
         reset.result(60)
         return self._commit(replies, version)
 
     def _apply_in_flight(
-        self, args: tuple[Any, ...], version: int, deadline: float | None
+        self, request: ApplyRequest, version: int, deadline: float | None
     ) -> ApplyResult:
         """The apply while Generate calls may run: the mirror changes on the loop thread, in
         :meth:`_land_between_steps` or :meth:`_land_paused`, between two engine steps."""
@@ -221,21 +230,22 @@ class WeightApplier:
         self.settle(deadline)
         if self.in_flight_apply == BETWEEN_STEPS:
             future = self._engine.call_between_steps(
-                functools.partial(self._land_between_steps, args, version)
+                functools.partial(self._land_between_steps, request, version)
             )
         else:
-            future = self._loop.submit(self._land_paused(args, version))
+            future = self._loop.submit(self._land_paused(request, version))
         replies = self._await_apply(future, version, deadline)
         result = self._commit(replies, version)
         result.in_flight = True
         return result
 
-    def _land_between_steps(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+    def _land_between_steps(self, request: ApplyRequest, version: int) -> list[WorkerReply]:
         """In-process engine core, on the loop thread between two engine steps: apply, then
         what :meth:`_landed` says (no step runs meanwhile)."""
         before = self._state
         try:
-            replies = self._engine.collective_rpc_now("podrl_apply_manifest", args)
+            wire = self._engine.collective_rpc_now(APPLY_METHOD, (request.to_wire(),))
+            replies = [WorkerReply.from_wire(r) for r in wire]
         except Exception as exc:
             self._not_landed(before, version, exc)
             raise
@@ -243,7 +253,7 @@ class WeightApplier:
             self._engine.reset_prefix_cache_now(reset_running_requests=True)
         return replies
 
-    async def _land_paused(self, args: tuple[Any, ...], version: int) -> list[dict[str, Any]]:
+    async def _land_paused(self, request: ApplyRequest, version: int) -> list[WorkerReply]:
         """Engine core in a process of its own, on the loop thread: vLLM's scheduler paused in
         keep mode (requests stay) around the apply and what :meth:`_landed` says."""
         # An output still on its way when the scheduler pauses is read with the newer version
@@ -252,7 +262,7 @@ class WeightApplier:
         try:
             before = self._state
             try:
-                replies = await self._engine.collective_rpc("podrl_apply_manifest", args=args)
+                replies = await self._send(request)
             except Exception as exc:
                 self._not_landed(before, version, exc)
                 raise
@@ -262,12 +272,17 @@ class WeightApplier:
         finally:
             await vllm_compat.resume_scheduler(self._engine)
 
-    def _landed(self, replies: list[dict[str, Any]], before: WeightState, version: int) -> bool:
+    async def _send(self, request: ApplyRequest) -> list[WorkerReply]:
+        """Every worker's reply to ``request`` (on the loop thread)."""
+        wire = await self._engine.collective_rpc(APPLY_METHOD, args=(request.to_wire(),))
+        return [WorkerReply.from_wire(r) for r in wire]
+
+    def _landed(self, replies: list[WorkerReply], before: WeightState, version: int) -> bool:
         """Mirror the workers' state before any further engine step. True when the version
         changed: the running requests' KV blocks must then be recomputed by the new weights
         (the prefix cache reset preempts them). An apply that left needs_full fails the
         running Generate calls instead."""
-        self._state = combine([WeightState.from_wire(r["state"]) for r in replies])
+        self._state = combine([r.state for r in replies])
         if self._state.phase is WeightPhase.NEEDS_FULL:
             failed = self.running.fail_all(
                 f"applying version {version} in flight failed part-way ({self._state.reason})"
@@ -285,8 +300,11 @@ class WeightApplier:
         self.running.fail_all(why)
 
     def _await_apply(
-        self, future: concurrent.futures.Future[Any], version: int, deadline: float | None
-    ) -> Any:
+        self,
+        future: concurrent.futures.Future[list[WorkerReply]],
+        version: int,
+        deadline: float | None,
+    ) -> list[WorkerReply]:
         """The workers' replies. Past the deadline the write lock stays held (the workers may
         still be writing) for the overrun; after that the apply is left unsettled and the
         mirror says needs_full, so no Generate runs on weights of no known version."""
@@ -347,34 +365,31 @@ class WeightApplier:
         self._loop.run(self._engine.reset_prefix_cache(reset_running_requests=True), 60)
         log.info("the apply of version %d settled: %s", version, self._state.describe())
 
-    def _commit(self, replies: list[dict[str, Any]], version: int) -> ApplyResult:
+    def _commit(self, replies: list[WorkerReply], version: int) -> ApplyResult:
         """Raise what went wrong in the workers' ``replies`` (the mirror already holds their
         state), or return the result."""
-        refused = [r for r in replies if r.get("error_kind")]
-        failed = [r for r in replies if r.get("apply_error")]
-        if refused and len(refused) == len(replies):
-            first = refused[0]
-            raise ManifestError(
-                ManifestErrorKind(first["error_kind"]),
-                first["error_message"],
-                name=first.get("error_name"),
-            )
-        if refused or failed:
-            causes = [r.get("apply_error") or r.get("error_message") for r in refused + failed]
+        failed = [r for r in replies if r.error_kind is not None]
+        if failed and all(r.error_kind is ErrorKind.REFUSED for r in replies):
+            raise failed[0].manifest_error()
+        if failed:
+            # Workers that disagree leave needs_full in the mirror (``combine``) whatever
+            # each of them said.
             if self._state.phase is WeightPhase.NEEDS_FULL:
-                outcome = NEEDS_FULL_HINT
+                kind, outcome = ErrorKind.FAILED_NEEDS_FULL, NEEDS_FULL_HINT
             else:
+                kind = ErrorKind.FAILED_KEEPS_SERVING
                 outcome = f"version {self._state.version} keeps serving; retry"
             raise WeightApplyError(
-                f"applying version {version} failed in the workers ({'; '.join(causes)}); "
-                f"{outcome}",
+                f"applying version {version} failed in the workers "
+                f"({'; '.join(r.error for r in failed)}); {outcome}",
+                kind,
                 self._state,
             )
         return ApplyResult(
             policy_version=self._state.version,
-            seconds=max(r["seconds"] for r in replies),
-            plan_cached=all(r["plan_cached"] for r in replies),
-            mode=replies[0]["mode"],
+            seconds=max(r.seconds for r in replies),
+            plan_cached=all(r.plan_cached for r in replies),
+            mode=replies[0].mode,
         )
 
     # ---- sleep mode --------------------------------------------------------------------------

@@ -57,14 +57,6 @@ class WeightsNotServableError(RuntimeError):
     """Generate was refused: the served parameters are not one known version."""
 
 
-class WeightApplyError(RuntimeError):
-    """An apply failed after it was admitted; ``state`` is what the workers hold now."""
-
-    def __init__(self, message: str, state: WeightState) -> None:
-        super().__init__(message)
-        self.state = state
-
-
 @dataclass(frozen=True)
 class WeightState:
     phase: WeightPhase = WeightPhase.IDLE

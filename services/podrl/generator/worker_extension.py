@@ -1,8 +1,9 @@
 """Runs inside every vLLM worker process: writes new policy weights into the worker's model.
 
 vLLM mixes this class into its worker (``worker_extension_cls``); the engine reaches its
-methods with ``collective_rpc``. Only plain values cross that boundary: a manifest travels as
-serialised protobuf bytes, results come back as dicts of numbers and strings. The tensors are
+methods with ``collective_rpc``. Only plain values cross that boundary: an apply is one
+``ApplyRequest`` (the manifest as serialised protobuf bytes), its answer one ``WorkerReply``
+(``podrl.generator.worker_messages``), each as a dict of plain values. The tensors are
 read here, in the worker, straight from the trainer's shared memory.
 
 Each worker owns its :class:`~podrl.generator.weight_state.WorkerWeights`: the one record of
@@ -162,51 +163,40 @@ class PodrlWorkerExtension:
         waiting for)."""
         return self._podrl_state().state.to_wire()
 
-    def podrl_apply_manifest(
-        self,
-        manifest_bytes: bytes,
-        mode: str,
-        trusted_publisher_id: str,
-        rollback: bool = False,
-        segment_owner_uid: int | None = None,
-    ) -> dict[str, Any]:
-        """Apply a serialised ``podrl.v1.WeightManifest`` (full or version-only).
+    def podrl_apply_manifest(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Apply one ``ApplyRequest`` (its wire form): a serialised ``podrl.v1.WeightManifest``,
+        full or version-only.
 
         The weight state admits it (version order, fingerprint, needs_full), then the worker's
         ``podrl.weights.Receiver`` starts the update (validates its content, opens its handles
         once per fingerprint) and updates (runs its cached copy plan): in ``in_place`` mode
-        straight into vLLM's
-        parameters, in ``reload`` mode into full HF-named buffers that vLLM's layer-wise reload
-        then loads. ``rollback`` accepts an older version (full manifests only) and reopens
-        every handle. ``segment_owner_uid``: the user whose shared-memory segments may be
-        opened (the owner of the pod's weights key: the trainer's). The engine checked the
-        manifest's MAC before sending it.
+        straight into vLLM's parameters, in ``reload`` mode into full HF-named buffers that
+        vLLM's layer-wise reload then loads. ``rollback`` accepts an older version (full
+        manifests only) and reopens every handle. The engine checked the manifest's MAC before
+        sending it.
 
-        Returns ``{"mode", "plan_cached", "seconds", "state"}``; a refused manifest returns
-        ``{"error_kind", "error_message", "error_name", "state"}`` (nothing written), a failed
-        apply ``{"apply_error", "state"}`` (typed errors do not survive ``collective_rpc``).
+        Returns a ``WorkerReply`` (its wire form): how the apply ran, or its ``ErrorKind``
+        (a refused manifest: nothing written; a failed apply: the previous version keeps
+        serving, or needs_full, as the weight state says).
         """
-        from podrl.generator.weight_state import Admission
+        from podrl.generator.weight_state import Admission, WeightPhase
+        from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
         from podrl.v1 import weights_pb2
         from podrl.weights.errors import ManifestError
 
-        manifest = weights_pb2.WeightManifest.FromString(manifest_bytes)
+        apply = ApplyRequest.from_wire(request)
+        manifest = weights_pb2.WeightManifest.FromString(apply.manifest)
         weights = self._podrl_state()
         start = time.perf_counter()
         try:
-            if weights.state.admit(manifest, rollback) is Admission.UNCHANGED:
-                return {
-                    "mode": "unchanged",
-                    "plan_cached": True,
-                    "seconds": 0.0,
-                    "state": weights.state.to_wire(),
-                }
-            resolved = self._podrl_resolve_mode(mode)
-            if rollback:  # the trainer restarted: its storage is new, reopen everything
+            if weights.state.admit(manifest, apply.rollback) is Admission.UNCHANGED:
+                return WorkerReply(weights.state, mode="unchanged", plan_cached=True).to_wire()
+            resolved = self._podrl_resolve_mode(apply.mode)
+            if apply.rollback:  # the trainer restarted: its storage is new, reopen everything
                 self.podrl_release_weights()
-            receiver = self._podrl_get_receiver(resolved, trusted_publisher_id)
-            if segment_owner_uid is not None:
-                receiver.segment_owner_uid = segment_owner_uid
+            receiver = self._podrl_get_receiver(resolved, apply.trusted_publisher_id)
+            if apply.segment_owner_uid is not None:
+                receiver.segment_owner_uid = apply.segment_owner_uid
             # A refusal from the receiver (its start) comes before it writes anything: the
             # block then leaves the state as it was.
             with weights.applying(manifest.version, manifest.model_fingerprint) as guard:
@@ -234,24 +224,22 @@ class PodrlWorkerExtension:
                     guard.touching_served_weights()
                     self._podrl_reload(_with_faults(copied.tensors, manifest.version))
         except ManifestError as err:
-            return {
-                "error_kind": err.kind.value,
-                "error_message": err.message,
-                "error_name": err.name,
-                "state": weights.state.to_wire(),
-            }
+            return WorkerReply.refused(err, weights.state).to_wire()
         except Exception as err:
             log.exception("applying version %d failed", manifest.version)
-            return {
-                "apply_error": f"{type(err).__name__}: {err}",
-                "state": weights.state.to_wire(),
-            }
-        return {
-            "mode": resolved,
-            "plan_cached": copied.plan_cached,
-            "seconds": time.perf_counter() - start,
-            "state": weights.state.to_wire(),
-        }
+            if weights.state.phase is WeightPhase.NEEDS_FULL:
+                kind = ErrorKind.FAILED_NEEDS_FULL
+            else:
+                kind = ErrorKind.FAILED_KEEPS_SERVING
+            return WorkerReply(
+                weights.state, error_kind=kind, error=f"{type(err).__name__}: {err}"
+            ).to_wire()
+        return WorkerReply(
+            weights.state,
+            mode=resolved,
+            plan_cached=copied.plan_cached,
+            seconds=time.perf_counter() - start,
+        ).to_wire()
 
     def podrl_drop_weights(self, reason: str) -> dict[str, Any]:
         """The served parameters are gone (level-2 sleep): close every handle; only a full

@@ -1,0 +1,148 @@
+"""The workers' apply call and replies, typed (podrl.generator.worker_messages), through
+``WeightApplier.apply`` with the workers faked (the real ones: test_generator_service.py,
+test_weight_faults.py). No engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from podrl.config.generator import GeneratorConfig
+from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.in_flight import UNSUPPORTED
+from podrl.generator.servicer import APPLY_FAILURE_STATUS
+from podrl.generator.weight_applier import WeightApplier, WeightApplyError
+from podrl.generator.weight_state import WeightPhase, WeightState
+from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
+from podrl.v1 import weights_pb2
+from podrl.weights.errors import ManifestError, ManifestErrorKind
+from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file
+
+SERVED = WeightState(WeightPhase.IDLE, 3, "storage-a")
+NEEDS_FULL = SERVED.needs_full("applying version 4 failed part-way")
+
+
+class Workers:
+    """An engine whose workers answer every apply with ``replies`` (wire form)."""
+
+    def __init__(self, *replies: WorkerReply) -> None:
+        self.replies = [r.to_wire() for r in replies]
+        self.requests: list[ApplyRequest] = []
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        assert method == "podrl_apply_manifest"
+        (wire,) = args
+        self.requests.append(ApplyRequest.from_wire(wire))
+        return self.replies
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return True
+
+
+@pytest.fixture
+def loop() -> Iterator[EngineLoop]:
+    engine_loop = EngineLoop()
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.stop()
+
+
+def _apply(tmp_path: Path, loop: EngineLoop, workers: Workers, rollback: bool = False) -> Any:
+    key = write_fresh_key_file(tmp_path / "key")
+    applier = WeightApplier(
+        GeneratorConfig(),
+        workers,
+        loop,
+        state=SERVED,
+        in_flight_apply=UNSUPPORTED,
+        parameter_count=4,
+        trusted_publisher_id="trainer-1",
+        key=GeneratorKey({WEIGHTS_KEY_FILE_ENV: str(tmp_path / "key")}),
+        require_awake=lambda: None,
+    )
+    manifest = weights_pb2.WeightManifest(version=4, model_fingerprint="storage-a")
+    key.sign(manifest)
+    return applier.apply(manifest, timeout=30, rollback=rollback)
+
+
+def test_one_typed_request_reaches_the_workers(tmp_path: Path, loop: EngineLoop) -> None:
+    workers = Workers(WorkerReply(SERVED, mode="in_place", plan_cached=True, seconds=0.01))
+    result = _apply(tmp_path, loop, workers, rollback=True)
+    (request,) = workers.requests
+    assert weights_pb2.WeightManifest.FromString(request.manifest).version == 4
+    assert request.trusted_publisher_id == "trainer-1"
+    assert request.rollback is True
+    assert request.segment_owner_uid is not None  # the key file's owner
+    assert (result.mode, result.plan_cached) == ("in_place", True)
+
+
+def test_a_refusal_by_every_worker_is_the_manifest_error_again(
+    tmp_path: Path, loop: EngineLoop
+) -> None:
+    refusal = ManifestError(ManifestErrorKind.SHAPE, "w: global_shape (2,)", name="w")
+    workers = Workers(*[WorkerReply.refused(refusal, SERVED)] * 2)
+    with pytest.raises(ManifestError) as raised:
+        _apply(tmp_path, loop, workers)
+    assert (raised.value.kind, raised.value.name) == (ManifestErrorKind.SHAPE, "w")
+    assert raised.value.status_code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    ("replies", "kind", "status"),
+    [
+        (
+            [WorkerReply(SERVED, error_kind=ErrorKind.FAILED_KEEPS_SERVING, error="OSError: x")],
+            ErrorKind.FAILED_KEEPS_SERVING,
+            grpc.StatusCode.ABORTED,
+        ),
+        (
+            [WorkerReply(NEEDS_FULL, error_kind=ErrorKind.FAILED_NEEDS_FULL, error="OSError: x")],
+            ErrorKind.FAILED_NEEDS_FULL,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        # One worker refused, the other applied: they disagree, so the weights are unknown.
+        (
+            [
+                WorkerReply.refused(ManifestError(ManifestErrorKind.STORAGE, "gone"), SERVED),
+                WorkerReply(SERVED.begin(4).commit("storage-a"), mode="in_place"),
+            ],
+            ErrorKind.FAILED_NEEDS_FULL,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+    ],
+)
+def test_a_failed_apply_carries_the_kind_that_picks_its_status(
+    tmp_path: Path,
+    loop: EngineLoop,
+    replies: list[WorkerReply],
+    kind: ErrorKind,
+    status: grpc.StatusCode,
+) -> None:
+    with pytest.raises(WeightApplyError) as raised:
+        _apply(tmp_path, loop, Workers(*replies))
+    assert raised.value.kind is kind
+    assert APPLY_FAILURE_STATUS[raised.value.kind] == status
+
+
+def test_requests_and_replies_cross_collective_rpc_as_plain_values() -> None:
+    """With its engine core in a process of its own vLLM sends utility-call arguments and
+    results through msgpack (a dataclass arrives as a map, an enum member as its value); in
+    process they arrive as sent. The wire form reads back to the same message either way."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    request = ApplyRequest(b"\x08\x04", "auto", "trainer-1", rollback=True, segment_owner_uid=7)
+    refusal = ManifestError(ManifestErrorKind.STORAGE, "gone", name="w")
+    replies = [
+        WorkerReply(SERVED, mode="repack", plan_cached=True, seconds=0.5),
+        WorkerReply.refused(refusal, SERVED),
+        WorkerReply(NEEDS_FULL, error_kind=ErrorKind.FAILED_NEEDS_FULL, error="OSError: x"),
+    ]
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+    crossed = decoder.decode(encoder.encode(request.to_wire()))
+    assert ApplyRequest.from_wire(crossed) == request
+    for reply in replies:
+        assert WorkerReply.from_wire(decoder.decode(encoder.encode(reply.to_wire()))) == reply
