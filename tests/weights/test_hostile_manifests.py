@@ -21,8 +21,9 @@ from podrl.weights import (
     shm,
 )
 from podrl.weights.codec import contiguous_strides
+from podrl.weights.errors import ManifestError
 from podrl.weights.keys import WeightsKey, manifest_mac
-from podrl.weights.receiver import MAX_SHARDS_PER_TENSOR
+from podrl.weights.receiver import MAX_SHARDS_PER_TENSOR, check_shard_count
 from tests.weights.manifest_cases import (
     DENIED,
     DESCRIPTION,
@@ -187,8 +188,9 @@ def _row_split(manifest, name: str, rows: int) -> weights_pb2.WeightManifest:
 
 def test_shard_counts_are_capped_before_any_shard_is_checked(trainer) -> None:
     """Before this check: 16,641 zero-size shards took quadratic time (a concurrent Generate waited
-    90 s). Over the total cap the manifest is refused by its length alone; zero-size blocks
-    and more shards per tensor than the cap are refused too."""
+    90 s). Over the total cap the manifest is refused by its length alone (the generator's
+    check before its locks); zero-size blocks and more shards per tensor than the cap are
+    refused by the receiver."""
     good = trainer.publish(1)
     receiver = make_receiver()
     flood = copy_manifest(good)
@@ -199,7 +201,13 @@ def test_shard_counts_are_capped_before_any_shard_is_checked(trainer) -> None:
         empty.local_shape[0] = 0
         empty.storage.shm.nbytes = 0
     assert len(flood.shards) > MAX_SHARDS_PER_TENSOR * len(DESCRIPTION.params)
-    assert "16" in assert_refused(receiver, flood, Kind.LIMIT, INVALID)
+    # The generator checks the count in all before its locks, before a receiver sees it.
+    with pytest.raises(ManifestError) as over_the_cap:
+        check_shard_count(flood, len(DESCRIPTION.params))
+    assert over_the_cap.value.kind is Kind.LIMIT and "16" in str(over_the_cap.value)
+    assert over_the_cap.value.status_code == INVALID
+    # A receiver alone stops at the first empty block: the flood costs it no more.
+    assert_refused(receiver, flood, Kind.SHAPE, INVALID)
 
     one_empty = copy_manifest(good)
     extra = one_empty.shards.add()

@@ -1,10 +1,11 @@
 """What weights a generator serves: one small state machine, owned by the vLLM workers.
 
 Every vLLM worker holds one :class:`WorkerWeights`; it is the only code that changes the
-worker's :class:`WeightState`, and the only place where a manifest's version and fingerprint
-are checked against what is served (:meth:`WeightState.admit`). The engine keeps no counter of
-its own: it mirrors the state the workers send back with every reply (:func:`combine` for
-several tensor-parallel workers).
+worker's :class:`WeightState`, and the only place where a manifest's version is checked against
+what is served (:meth:`WeightState.admit`; which storage a version-only manifest may name is the
+worker's ``WeightReceiver``'s to check: its copy plan reads that storage). The engine keeps no
+counter of its own: it mirrors the state the workers send back with every reply
+(:func:`combine` for several tensor-parallel workers).
 
 ::
 
@@ -14,8 +15,9 @@ several tensor-parallel workers).
                                   +-- failed after, or the engine stopped waiting ----> needs_full
     needs_full --a full manifest applied--> idle(w)
 
-* ``idle(v)``: version ``v`` serves. A version-only manifest is accepted when it names the
-  storage of the last full manifest (``fingerprint``), a full one when its version is newer.
+* ``idle(v)``: version ``v`` serves. A manifest is admitted when its version is newer (a
+  version-only one then goes on to the receiver, which applies it only from the storage its
+  copy plan reads); the version and storage (``fingerprint``) served already is a no-op.
 * ``applying``: a write is in progress; Generate is held back (the engine's write lock).
 * ``needs_full``: the served parameters are not known to be any one version (a copy or a vLLM
   reload failed half-way, an apply overran its deadline, a level-2 sleep dropped the weights).
@@ -78,7 +80,9 @@ class WeightState:
         nothing is written) with a FAILED_PRECONDITION kind otherwise.
 
         ``rollback`` accepts an older version (the trainer went back to a checkpoint), as a
-        full manifest only, and only a version older than the last one applied."""
+        full manifest only, and only a version older than the last one applied. Which storage a
+        version-only manifest names is not checked here: the receiver refuses one whose storage
+        its copy plan does not read (``WeightReceiver.validate``)."""
         version = manifest.version
         if manifest.version_only and (rollback or self.phase is WeightPhase.NEEDS_FULL):
             why = "a rollback" if rollback else self.reason
@@ -118,13 +122,6 @@ class WeightState:
                 ManifestErrorKind.STALE_VERSION,
                 f"version {version} is not newer than the version being served "
                 f"({self.version}); publish a newer version",
-            )
-        if manifest.version_only and manifest.model_fingerprint != self.fingerprint:
-            raise ManifestError(
-                ManifestErrorKind.FINGERPRINT,
-                f"version-only manifest for storage {manifest.model_fingerprint[:12]!r}, but "
-                f"the served weights came from {self.fingerprint and self.fingerprint[:12]!r}; "
-                f"{NEEDS_FULL_HINT}: publish with force_full",
             )
         return Admission.APPLY
 

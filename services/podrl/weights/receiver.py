@@ -55,8 +55,9 @@ Kind = ManifestErrorKind
 MAX_SHARDS_PER_TENSOR = 256
 """Most shards (replicas included) one parameter may have in a manifest: one per trainer rank
 holding it, and a pod's trainer has at most a few dozen ranks. A manifest over the cap is
-refused (``LIMIT``) before its shards are looked at one by one; so is one with more than this
-many per parameter of the model in all."""
+refused (``LIMIT``); so is one with more than this many per parameter of the model in all,
+before its shards are looked at one by one (:func:`check_shard_count`, which the generator runs
+before it takes any lock)."""
 
 
 @dataclass
@@ -145,8 +146,8 @@ class WeightReceiver(Receiver):
     # -- validation --------------------------------------------------------------------------
 
     def validate(self, manifest: weights_pb2.WeightManifest) -> None:
-        """Raise :class:`ManifestError` unless ``manifest`` can be applied now."""
-        check_shard_count(manifest, len(self.description.params))
+        """Raise :class:`ManifestError` unless ``manifest`` can be applied now. (The shard
+        count in all was checked before the manifest got here: ``check_shard_count``.)"""
         if self.key is not None:
             self.key.verify(manifest)
         if self.trusted_publisher_id is not None and (
@@ -468,7 +469,9 @@ def _check_segments(shards: list[weights_pb2.TensorShard]) -> None:
 
 def check_shard_count(manifest: weights_pb2.WeightManifest, parameters: int) -> None:
     """``LIMIT`` unless the manifest has at most ``MAX_SHARDS_PER_TENSOR`` shards per
-    parameter of the model in all (checked before any shard is looked at)."""
+    parameter of the model in all. The generator runs it on every manifest before its locks
+    (``WeightApplier.apply``), so an oversized one never holds back a Generate; the receiver
+    in the workers then sees only manifests that passed it."""
     cap = MAX_SHARDS_PER_TENSOR * max(parameters, 1)
     if len(manifest.shards) > cap:
         raise ManifestError(
