@@ -935,11 +935,7 @@ def _run_pod(opts: Options, shape: dict[str, Any], results: Results) -> None:
                     "engine": asdict(engine.facts),
                     "info_details": dict(info.info.details),
                     "info_device": info.device,
-                    "describe_auto": {
-                        k: v
-                        for k, v in pod.rpc_worker("podrl_describe", "auto")[0].items()
-                        if k != "parameters"
-                    },
+                    "describe_auto": pod.rpc_worker("podrl_describe", "auto")[0],
                 }
                 _save(results, opts)
                 _phase(results, opts, "check_requests", lambda: check_requests(pod))

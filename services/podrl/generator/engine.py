@@ -53,8 +53,6 @@ class EngineFacts:
 
     model: str
     device: str
-    dtype: str
-    tensor_parallel_size: int
     apply_mode: str
     start_seconds: float
     extra: dict[str, str] = field(default_factory=dict)
@@ -129,8 +127,6 @@ class VllmEngine:
         self.facts = EngineFacts(
             model=str(self._model_path),
             device=current_platform.device_type,
-            dtype=self._config.dtype,
-            tensor_parallel_size=self._config.tensor_parallel_size,
             apply_mode=described["apply_mode"],
             start_seconds=time.perf_counter() - started,
             extra={

@@ -90,9 +90,6 @@ class RunningGenerates:
         finally:
             self._running.pop(task, None)
 
-    def __len__(self) -> int:
-        return len(self._running)
-
     def fail_all(self, why: str) -> int:
         """Fail every running Generate (its requests are aborted); how many there were."""
         for task, span in self._running.items():

@@ -141,7 +141,8 @@ class PodrlWorkerExtension:
     def podrl_describe(
         self, mode: str = "auto", generator_pid: int | None = None
     ) -> dict[str, Any]:
-        """Device, the apply mode ``mode`` resolves to, the live parameter shapes, the state.
+        """The apply mode ``mode`` resolves to, the parameters repacked after loading, the
+        state.
 
         Called once per worker when the engine starts: from then on nothing of the engine
         outlives the generator ``generator_pid`` (``engine_processes.die_with_generator``)."""
@@ -151,10 +152,8 @@ class PodrlWorkerExtension:
             die_with_generator(generator_pid)
         model = self.model_runner.get_model()
         return {
-            "device": str(self.device),
             "apply_mode": self._podrl_resolve_mode(mode),
             "repacked": _tensors_changed_after_loading(model),
-            "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
             "state": self._podrl_state().state.to_wire(),
         }
 
