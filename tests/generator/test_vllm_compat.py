@@ -3,6 +3,7 @@ podrl.generator.vllm_compat (docs/generator.md)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import re
@@ -200,3 +201,50 @@ def test_the_functions_podrls_plugins_replace_keep_their_signatures() -> None:
     _binds(shm_broadcast.SpinCondition.__init__, object(), is_reader=True, context=None,
            notify_address="", busy_loop_s=0.05)  # fmt: skip
     assert "self.busy_loop_s" in inspect.getsource(shm_broadcast.SpinCondition)
+
+
+INTERNAL_ATTRIBUTES = {
+    "pause_scheduler_async",
+    "resume_scheduler_async",
+    "output_processor",
+    "reload_weights",
+    "restore_metadata",
+    "create_engine_config",
+    "get_class",
+}
+INTERNAL_MODULES = (
+    "vllm.model_executor.model_loader",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.executor",
+    "vllm.distributed.parallel_state",
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.vocab_parallel_embedding",
+    "vllm.config",
+)
+INTERNAL_NAMES = {"get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"}
+
+
+def test_no_other_generator_module_calls_those_internals() -> None:
+    """The calls pinned above are made in vllm_compat only. Not counted: ``InlineEngine``
+    hands on its ``LLMEngine``'s output processor as ``AsyncLLM``'s (vllm_compat reads both),
+    and the plugins that replace a vLLM function (cpu_linear, vllm_plugin) look it up
+    themselves (pinned above too)."""
+    allowed = {("inline_engine.py", "output_processor")}
+    offenders = []
+    for path in sorted((ROOT / "services/podrl/generator").glob("*.py")):
+        if path.name == "vllm_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in INTERNAL_ATTRIBUTES:
+                found = node.attr
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                INTERNAL_MODULES
+            ):
+                found = node.module or ""
+            elif isinstance(node, ast.alias) and node.name in INTERNAL_NAMES:
+                found = node.name
+            else:
+                continue
+            if (path.name, found) not in allowed:
+                offenders.append(f"{path.name}:{getattr(node, 'lineno', '?')}: {found}")
+    assert not offenders, offenders

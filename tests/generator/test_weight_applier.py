@@ -1,9 +1,10 @@
-"""The workers' apply call and replies, typed (podrl.generator.worker_messages), through
-``WeightApplier.apply`` with the workers faked (the real ones: test_generator_service.py,
-test_weight_faults.py). No engine."""
+"""``WeightApplier`` with vLLM's workers faked (the real ones: test_generator_service.py,
+test_weight_faults.py): the typed call and replies (podrl.generator.worker_messages), the status
+table, the one writer of the mirror of the workers' weight state. No engine."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,30 @@ def test_requests_and_replies_cross_collective_rpc_as_plain_values() -> None:
     assert ApplyRequest.from_wire(crossed) == request
     for reply in replies:
         assert WorkerReply.from_wire(decoder.decode(encoder.encode(reply.to_wire()))) == reply
+
+
+def test_the_mirror_of_the_workers_state_has_one_writer(tmp_path: Path, loop: EngineLoop) -> None:
+    """Only ``WeightApplier`` assigns the mirror (``_state``); others read ``state``."""
+    package = Path(__file__).resolve().parents[2] / "services/podrl/generator"
+    writers = {
+        path.name
+        for path in package.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "_state"
+        and isinstance(node.ctx, ast.Store)
+    }
+    assert writers == {"weight_applier.py"}
+    applier = WeightApplier(
+        GeneratorConfig(),
+        Workers(),
+        loop,
+        state=SERVED,
+        in_flight_apply=UNSUPPORTED,
+        parameter_count=4,
+        trusted_publisher_id="trainer-1",
+        key=GeneratorKey({}),
+        require_awake=lambda: None,
+    )
+    with pytest.raises(AttributeError):
+        applier.state = NEEDS_FULL  # type: ignore[misc]
