@@ -192,7 +192,9 @@ def test_without_in_flight_the_apply_waits_for_the_running_generate(
     running = RunningGenerate(generator, seed=13)
     reply = apply(generator, policy, old + 1, in_flight=False, manifest=manifest)
     assert not reply.in_flight
-    assert not running.running
+    # The apply took the write lock once the Generate's requests had all finished in the
+    # engine; the Generate's own reply (64 long samples) may still be on its way.
+    assert int(info(generator).info.details["unfinished_requests"]) == 0
     for sample in running.result().samples:
         assert (sample.policy_version, sample.last_policy_version) == (old, old)
         assert _split(policy, sample, old, old + 1) == len(sample.token_ids)
