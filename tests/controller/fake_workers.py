@@ -83,6 +83,8 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     """Each PublishWeights: whether the pod's generator was running a Generate meanwhile."""
     save_faults: list[grpc.StatusCode | None] = field(default_factory=list)
     """One entry per SaveCheckpoint call, in order: the code it fails with (None: it saves)."""
+    train_metrics: dict[str, float] = field(default_factory=dict)
+    """More TrainMetrics fields every Train reports (e.g. a huge mismatch_kl)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _published_full: bool = False
 
@@ -130,6 +132,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                     loss=0.5 + len(self.applied),
                     grad_norm=1.0,
                     tokens=sum(len(s.completion_ids) for s in request.sequences),
+                    **self.train_metrics,
                 ),
             )
             self.applied.append(request)

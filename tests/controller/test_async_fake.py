@@ -97,6 +97,17 @@ def test_no_trained_sample_is_older_than_max_staleness(
         for s in r.sequences
     ]
     assert any(sent)
+    # Each step record has its trained samples' behaviour-policy age: the trainers' version
+    # minus the (oldest) version that sampled each.
+    for index, record in enumerate(run["steps"]):
+        ages = [
+            p.trainer.applied[index].policy_version - s.policy_version
+            for p in pods
+            for s in p.trainer.applied[index].sequences
+        ]
+        assert record.metrics["behaviour_age_max"] == max(ages)
+        assert record.metrics["behaviour_age_mean"] == pytest.approx(sum(ages) / len(ages))
+    assert max(r.metrics["behaviour_age_max"] for r in run["steps"]) == max_staleness
     assert len({_digest(pod.address).sha256 for pod in pods}) == 1
     _check_every_prompt_once(run["samples"], STEPS)
     # The status page says so too.

@@ -199,6 +199,12 @@ def test_a_trainer_without_batch_ids_records_unknown_not_zero(
     step2 = run["steps"][1].metrics
     assert step2["trained"] is True and step2["metrics_unknown"] is True
     assert step2["loss"] is None and step2["grad_norm"] is None and step2["kl"] is None
+    # The drift figures too; an unknown figure is outside no band.
+    for name in ("mismatch_kl", "update_ratio", "is_weight_max", "clip_fraction_low"):
+        assert step2[name] is None, name
+    assert step2["drift_warnings"] == []
+    # The batch itself is known: its samples' ages are.
+    assert step2["behaviour_age_max"] == 0
     assert run["steps"][0].metrics["loss"] == pytest.approx(0.5)
     assert run["summary"]["steps_with_unknown_metrics"] == 1
 
@@ -373,3 +379,66 @@ def test_a_pod_synced_at_a_step_is_not_asked_again_at_the_next_step_boundary(
     result = run_loop(pod)
     assert [s.policy_version for s in result["steps"]] == [1, 2, 3]
     assert pod.trainer.acknowledged == [0, 1, 2, 3]
+
+
+IN_BAND = {"mismatch_kl": 0.001, "update_ratio": 1e-5, "logprob_diff_mean": 0.01}
+
+
+def test_a_step_inside_the_drift_band_records_its_figures_and_warns_nothing(
+    pod: FakePod, run_loop: RunLoop
+) -> None:
+    pod.trainer.train_metrics = {**IN_BAND, "is_weight_max": 1.2, "clip_fraction_dual": 0.05}
+    run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error
+    for record in run["steps"]:
+        figures = record.metrics
+        assert figures["mismatch_kl"] == pytest.approx(0.001)
+        assert figures["update_ratio"] == pytest.approx(1e-5)
+        assert figures["is_weight_max"] == pytest.approx(1.2)
+        assert figures["clip_fraction_dual"] == pytest.approx(0.05)
+        # Sync mode: every sample comes from the version that trains on it.
+        assert figures["behaviour_age_mean"] == figures["behaviour_age_max"] == 0
+        assert figures["drift_warnings"] == []
+    assert run["state"].view().warnings == []
+    assert _metric("podrl_train_mismatch_kl") == pytest.approx(0.001)
+    assert _metric("podrl_train_update_ratio") == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize(
+    ("reported", "figure", "side", "knob"),
+    [
+        ({**IN_BAND, "mismatch_kl": 1.9}, "mismatch_kl", "high", "trainer.off_policy.mask"),
+        ({**IN_BAND, "update_ratio": 0.3}, "update_ratio", "high", "lower trainer.lr"),
+        ({**IN_BAND, "update_ratio": 0.0}, "update_ratio", "low", "raise trainer.lr"),
+    ],
+)
+def test_a_step_outside_the_drift_band_warns_naming_the_knob(
+    pod: FakePod,
+    run_loop: RunLoop,
+    caplog: pytest.LogCaptureFixture,
+    reported: dict[str, float],
+    figure: str,
+    side: str,
+    knob: str,
+) -> None:
+    pod.trainer.train_metrics = reported
+    before = _metric("podrl_drift_warnings_total", figure=figure, side=side)
+    with caplog.at_level("WARNING", logger="podrl.controller.records.recorder"):
+        run = run_loop(pod)
+    assert run["state"].phase == "finished", run["state"].error  # a warning stops nothing
+    warnings = run["state"].view().warnings
+    assert [(w["step"], w["figure"], w["side"]) for w in warnings] == [
+        (step, figure, side) for step in (1, 2, 3)
+    ]
+    assert all(knob in w["knobs"] and knob in w["message"] for w in warnings)
+    assert [w["step"] for w in run["steps"][1].metrics["drift_warnings"]] == [2]
+    logged = [r.getMessage() for r in caplog.records if "policy drift" in r.getMessage()]
+    assert len(logged) == 3 and f"loop.drift_warnings.{figure}_" in logged[0], logged
+    assert knob in logged[0]
+    assert _metric("podrl_drift_warnings_total", figure=figure, side=side) == before + 3
+
+
+def test_the_drift_band_is_configurable(pod: FakePod, run_loop: RunLoop) -> None:
+    pod.trainer.train_metrics = {**IN_BAND, "mismatch_kl": 1.9}
+    run = run_loop(pod, drift_warnings={"mismatch_kl_max": 2.0})
+    assert run["state"].view().warnings == []

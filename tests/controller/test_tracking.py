@@ -201,3 +201,20 @@ def test_wandb_configured_but_not_installed_is_a_config_error(
         Tracker(config)
     # Disabled W&B needs no package.
     Tracker(_config(tmp_path, wandb={"project": "p", "mode": "disabled"})).close()
+
+
+def test_policy_drift_figures_are_scalars_and_unknown_ones_left_out(tmp_path: Path) -> None:
+    tracker = Tracker(_config(tmp_path))
+    tracker.open(0, "unused")
+    drift = {"mismatch_kl": 0.002, "update_ratio": 3e-5, "behaviour_age_max": 1}
+    tracker.log_step(_step(1, 0.5, **drift, clip_fraction_dual=0.01, is_weight_max=1.5))
+    # Step 2's drift figures are unknown (a lost Train reply): no point, never 0.
+    tracker.log_step(_step(2, 0.6, **dict.fromkeys(drift), behaviour_age_mean=0.5))
+    tracker.close()
+    scalars = _scalars(tmp_path / "tensorboard")
+    assert scalars["train/mismatch_kl"] == [(1, pytest.approx(0.002))]
+    assert scalars["train/update_ratio"] == [(1, pytest.approx(3e-5))]
+    assert scalars["train/behaviour_age_max"] == [(1, 1.0)]
+    assert scalars["train/behaviour_age_mean"] == [(2, 0.5)]
+    assert scalars["train/clip_fraction_dual"] == [(1, pytest.approx(0.01))]
+    assert scalars["train/is_weight_max"] == [(1, 1.5)]

@@ -21,6 +21,44 @@ class SamplingConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
 
 
+class DriftWarningsConfig(Section):
+    """The band the policy-drift figures of a trained step should stay in (docs/algorithms.md,
+    "When RL drifts"); a step outside it logs a warning naming the knob to turn, lists it in
+    /v1/status ``warnings`` and on the dashboard. The run goes on: a warning stops nothing."""
+
+    mismatch_kl_max: float = Field(
+        0.02,
+        gt=0,
+        description="Largest mismatch_kl (k3 KL of the generator's samples between the "
+        "generator and the trainer, per token) before a warning. 0.02 is a typical per-token "
+        "log-probability gap of 0.2 nats (the k3 KL is about half its square), where the PPO "
+        "ratio against the generator already leaves the 0.2 clip range.",
+    )
+    update_ratio_min: float = Field(
+        1e-8,
+        ge=0,
+        description="Smallest update_ratio (||theta_after - theta_before|| / ||theta_after||) "
+        "before a warning that the policy does not move (0 = never warn).",
+    )
+    update_ratio_max: float = Field(
+        1e-2,
+        gt=0,
+        description="Largest update_ratio before a warning that one step moved the weights too "
+        "far: 1 % of their norm is some 200 times the step of AdamW at the default "
+        "trainer.lr 1e-6 on weights of RMS 0.02.",
+    )
+
+    @model_validator(mode="after")
+    def _check_band(self) -> DriftWarningsConfig:
+        if self.update_ratio_min >= self.update_ratio_max:
+            raise ValueError(
+                f"loop.drift_warnings.update_ratio_min ({self.update_ratio_min:g}) must be below "
+                f"loop.drift_warnings.update_ratio_max ({self.update_ratio_max:g}): no step "
+                "could be inside the band"
+            )
+        return self
+
+
 #: The largest loop.max_staleness: the buffer holds max_staleness + 1 steps of scored groups.
 MAX_STALENESS_LIMIT = 64
 
@@ -78,6 +116,7 @@ class LoopConfig(Section):
         'generator.enable_sleep_mode follows it (docs/cuda.md, "One GPU, four services").',
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    drift_warnings: DriftWarningsConfig = Field(default_factory=DriftWarningsConfig)
     normalize_advantages_std: bool = Field(
         True, description="Divide advantages by the group's reward std (GRPO); False = Dr. GRPO."
     )

@@ -68,3 +68,38 @@ SAMPLES_SPANNING_VERSIONS = Counter(
     "podrl_samples_spanning_versions_total",
     "Samples trained on that more than one policy version sampled (in-flight weight updates).",
 )
+
+#: Gauges of the last trained step's policy-drift figures (docs/algorithms.md, "When RL
+#: drifts"), by step-record figure; a step whose figure is unknown leaves the gauge as it was.
+DRIFT_GAUGES = {
+    name: Gauge(f"podrl_train_{name}", help_text)
+    for name, help_text in {
+        "mismatch_kl": "k3 KL(generator || trainer) per completion token of the last trained "
+        "step: mean of w - ln w - 1, w = exp(trainer logprob - generator logprob).",
+        "logprob_diff_mean": "Mean |trainer logprob - generator logprob| per completion token.",
+        "logprob_diff_max": "Largest |trainer logprob - generator logprob| of a token.",
+        "is_weight_mean": "Mean behaviour importance weight w before truncation.",
+        "is_weight_min": "Smallest behaviour importance weight w.",
+        "is_weight_max": "Largest behaviour importance weight w before truncation.",
+        "is_masked_fraction": "Fraction of tokens the off-policy mask gave no policy gradient.",
+        "is_truncated_fraction": "Fraction of tokens with w > trainer.off_policy.is_cap.",
+        "clip_fraction": "Fraction of tokens whose PPO ratio was clipped (any bound).",
+        "clip_fraction_low": "Fraction of tokens with A < 0 and ratio < 1 - clip_eps_low.",
+        "clip_fraction_high": "Fraction of tokens with A > 0 and ratio > 1 + clip_eps_high.",
+        "clip_fraction_dual": "Fraction of tokens with A < 0 and ratio > clip_ratio_c.",
+        "ratio_min": "Smallest PPO ratio of a token.",
+        "ratio_max": "Largest PPO ratio of a token.",
+        "entropy": "Mean policy entropy per completion token.",
+        "grad_norm": "Gradient norm before clipping.",
+        "update_ratio": "Relative update size ||theta_after - theta_before|| / ||theta_after||.",
+        "behaviour_age_mean": "Mean policy versions between the trainers' and the oldest one "
+        "that sampled each trained sample (0 in sync mode).",
+        "behaviour_age_max": "Largest policy-version age of a trained sample.",
+    }.items()
+}
+DRIFT_WARNINGS = Counter(
+    "podrl_drift_warnings_total",
+    "Trained steps whose figure left the band of loop.drift_warnings, by figure and side "
+    "(high: above the max, low: below the min).",
+    ["figure", "side"],
+)

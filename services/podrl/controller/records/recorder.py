@@ -9,6 +9,7 @@ and total; it is never written as 0.0. Such a step carries ``metrics_unknown: tr
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
 from podrl.controller.pods.roster import pod_order
+from podrl.controller.records.drift import drift_warnings
 from podrl.controller.records.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
 from podrl.controller.records.resume import RecoveredStep
 from podrl.controller.records.run_outputs import SampleLog, write_summary
@@ -26,6 +28,8 @@ from podrl.controller.step.batch import StepSamples, TrainBatch, is_valid, last_
 from podrl.controller.step.train_phase import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
+log = logging.getLogger(__name__)
+
 #: Run store key of the latest failed checkpoint save, {step, error} (checkpointing.py).
 CHECKPOINT_ERROR_KEY = "checkpoint_error"
 
@@ -33,6 +37,10 @@ CHECKPOINT_ERROR_KEY = "checkpoint_error"
 TRAIN_METRICS = (
     "loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm",
     "logprob_diff_mean", "logprob_diff_max", "learning_rate",
+    # Policy drift (docs/trainer.md, "Metrics of a step").
+    "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "ratio_min", "ratio_max",
+    "is_weight_mean", "is_weight_min", "is_weight_max", "is_masked_fraction",
+    "is_truncated_fraction", "mismatch_kl", "update_ratio",
 )  # fmt: skip
 
 #: Step figures that come from the samples and their scores (unknown for a recovered step).
@@ -59,6 +67,17 @@ def train_figures(
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def behaviour_age(batch: TrainBatch, trained_version: int) -> dict[str, float | None]:
+    """``behaviour_age_mean`` / ``_max``: versions between the trainers' version that trained
+    the batch and the oldest version that sampled each trained sample (0 in sync mode; None
+    when nothing was trained)."""
+    ages = [trained_version - s.policy_version for s in batch.sequences]
+    return {
+        "behaviour_age_mean": _mean([float(a) for a in ages]),
+        "behaviour_age_max": max(ages) if ages else None,
+    }
 
 
 class StepRecorder:
@@ -151,6 +170,9 @@ class StepRecorder:
             figures.update(
                 train_figures(outcome.reply if outcome.metrics_known else None, self._kl_measured)
             )
+            # Train took the trainers from version - 1 to version.
+            figures.update(behaviour_age(batch, version - 1))
+        figures["drift_warnings"] = self._warn(step, figures)
         record = StepRecord(step, version, position_after, figures, time.time())
         self.store.record_step(record)
         self._publish(record)
@@ -179,7 +201,10 @@ class StepRecorder:
             "phase_seconds": {},
             **dict.fromkeys(SAMPLE_FIGURES),
             **train_figures(recovered.train_reply, self._kl_measured),
+            "behaviour_age_mean": None,
+            "behaviour_age_max": None,
         }
+        figures["drift_warnings"] = self._warn(recovered.step, figures)
         record = StepRecord(
             recovered.step,
             recovered.policy_version,
@@ -190,6 +215,16 @@ class StepRecorder:
         self.store.record_step(record)
         self._track().log_step(record)
         return record
+
+    def _warn(self, step: int, figures: dict[str, Any]) -> list[dict[str, Any]]:
+        """The step's drift warnings (records/drift.py): logged, counted in /metrics and kept
+        in the status; stored with the step."""
+        warnings = drift_warnings(step, figures, self.config.loop.drift_warnings)
+        for warning in warnings:
+            log.warning("policy drift at %s", warning["message"])
+            metrics.DRIFT_WARNINGS.labels(warning["figure"], warning["side"]).inc()
+        self.state.add_warnings(warnings)
+        return warnings
 
     def record_eval(self, evaluation: dict[str, Any]) -> None:
         """An evaluation (podrl.controller.records.evaluation): the run store (replacing one
@@ -219,6 +254,11 @@ class StepRecorder:
             metrics.REWARD_MEAN.set(figures["reward_mean"])
         if figures.get("trained") and figures.get("metrics_unknown"):
             metrics.UNKNOWN_TRAIN_METRICS.inc()
+        # A step whose figure is unknown leaves the gauge at its last measured value: NaN
+        # would read as a measurement.
+        for name, gauge in metrics.DRIFT_GAUGES.items():
+            if figures.get(name) is not None:
+                gauge.set(figures[name])
 
     def forget_steps_after(self, step: int) -> tuple[int, int]:
         """Remove step records, sample rows and evaluations after ``step``: (records, rows)

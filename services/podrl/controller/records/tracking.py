@@ -8,7 +8,10 @@ written as 0):
 
 - ``reward/mean``, ``reward/max``, ``reward/<task>``, ``score/errors``, ``score/dropped_samples``;
 - ``train/<name>`` for loss, pg_loss, kl, entropy, clip_fraction, grad_norm, ratio_mean,
-  learning_rate, logprob_diff_mean, logprob_diff_max;
+  learning_rate, logprob_diff_mean, logprob_diff_max, and the policy-drift figures:
+  clip_fraction_low/_high/_dual, ratio_min/_max, is_weight_mean/_min/_max,
+  is_masked_fraction, is_truncated_fraction, mismatch_kl, update_ratio,
+  behaviour_age_mean/_max;
 - ``time/<phase>_seconds`` for every phase of the step, ``time/tokens_per_second`` (completion
   tokens per second of the generate phase), ``time/weight_sync_ms``;
 - ``eval/accuracy``, ``eval/reward_mean``, ``eval/<task>/accuracy``, ``eval/<task>/reward_mean``,
@@ -33,6 +36,10 @@ log = logging.getLogger(__name__)
 TRAIN_SCALARS = (
     "loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "ratio_mean",
     "learning_rate", "logprob_diff_mean", "logprob_diff_max",
+    "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "ratio_min", "ratio_max",
+    "is_weight_mean", "is_weight_min", "is_weight_max", "is_masked_fraction",
+    "is_truncated_fraction", "mismatch_kl", "update_ratio", "behaviour_age_mean",
+    "behaviour_age_max",
 )  # fmt: skip
 
 

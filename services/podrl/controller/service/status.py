@@ -70,6 +70,10 @@ class RolloutView(BaseModel):
     )
 
 
+#: Drift warnings kept for the status (a run that drifts for long would grow the list).
+MAX_WARNINGS = 20
+
+
 class RunStatusView(BaseModel):
     run_name: str
     phase: str = Field(description="waiting_for_workers, idle, generate, score, train, sync, ...")
@@ -104,6 +108,12 @@ class RunStatusView(BaseModel):
     rollout: RolloutView = Field(
         default_factory=RolloutView,
         description="The rollout buffer of async mode: fill, staleness, stale drops.",
+    )
+    warnings: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Policy-drift warnings of this controller's steps, the latest "
+        f"{MAX_WARNINGS} at most, oldest first: {{step, figure, value, limit, side (high: "
+        "above the max, low: below the min of loop.drift_warnings), knobs, message}.",
     )
 
 
@@ -162,6 +172,7 @@ class RunState:
         self.last_eval: dict[str, Any] | None = None
         self.evaluations = 0
         self.rollout = RolloutView()
+        self.warnings: list[dict[str, Any]] = []
         self._buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(steps, groups) in the rollout buffer (async mode's producer answers it)."""
 
@@ -218,6 +229,11 @@ class RunState:
                 }
             )
 
+    def add_warnings(self, warnings: list[dict[str, Any]]) -> None:
+        """A step's drift warnings; the oldest beyond MAX_WARNINGS are forgotten."""
+        with self._lock:
+            self.warnings = (self.warnings + [dict(w) for w in warnings])[-MAX_WARNINGS:]
+
     def set_evaluations(self, last: dict[str, Any] | None, count: int) -> None:
         with self._lock:
             self.last_eval = dict(last) if last is not None else None
@@ -268,6 +284,7 @@ class RunState:
                 last_eval=dict(self.last_eval) if self.last_eval is not None else None,
                 evaluations=self.evaluations,
                 rollout=rollout,
+                warnings=[dict(w) for w in self.warnings],
             )
 
 
