@@ -52,9 +52,16 @@ def test_a_recovered_step_has_unknown_figures_left_out_of_the_summary(
     record = recorder.record_recovered(recovered)
     stored = recorder.store.step(2)
     assert stored is not None and stored.metrics == record.metrics
-    for name in (*TRAIN_METRICS, "reward_mean", "tokens_generated", "score_errors"):
+    for name in (
+        *TRAIN_METRICS,
+        "reward_mean",
+        "tokens_generated",
+        "score_errors",
+        "behaviour_age_max",
+    ):
         assert stored.metrics[name] is None, name  # unknown, never 0.0
     assert stored.metrics["metrics_unknown"] is True and stored.metrics["recovered"] is True
+    assert stored.metrics["drift_warnings"] == []  # unknown figures are outside no band
     recorder.state.resume(2, 2)
     summary = _summary(recorder)
     assert summary["initial_reward_mean"] == summary["final_reward_mean"] == 0.4

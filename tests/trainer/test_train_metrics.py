@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from podrl.config import load_config
+from podrl.config.loop import DriftWarningsConfig
 from podrl.trainer.engine import TrainerEngine
 from tests.trainer.rank_worker import config_env, make_request
 
@@ -98,3 +99,19 @@ def test_update_ratio_is_the_relative_step_and_zero_for_lr_zero(tiny_model, tmp_
     assert second.learning_rate == 0.0
     assert torch.equal(unchanged, after)
     assert second.update_ratio == 0.0
+
+
+def test_the_drift_band_holds_the_default_lr_and_flags_a_thousandfold_one(tiny_model, tmp_path):
+    """loop.drift_warnings' update band (docs/algorithms.md, "When RL drifts"): AdamW's first
+    step moves every element by about lr, so update_ratio grows with lr; the default lr's step
+    lies inside the band, a step at 1000 times it above."""
+    band = DriftWarningsConfig()
+    ratios = {}
+    for lr in (1e-6, 1e-3):
+        engine = _engine(tiny_model, tmp_path / f"lr-{lr:g}", lr=lr)
+        try:
+            ratios[lr] = engine.train_step(make_request(1)).metrics.update_ratio
+        finally:
+            engine.close()
+    assert band.update_ratio_min < ratios[1e-6] < band.update_ratio_max < ratios[1e-3]
+    assert ratios[1e-3] / ratios[1e-6] == pytest.approx(1000, rel=0.01)
