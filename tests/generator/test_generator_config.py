@@ -26,3 +26,12 @@ def test_overrun_is_not_negative() -> None:
     assert GeneratorConfig(weight_apply_overrun_seconds=0).weight_apply_overrun_seconds == 0
     with pytest.raises(ValidationError, match="weight_apply_overrun_seconds"):
         GeneratorConfig(weight_apply_overrun_seconds=-1)
+
+
+def test_copy_streams_default_to_the_copy_plans_and_are_at_least_one() -> None:
+    from podrl.weights.plan import DEFAULT_COPY_STREAMS
+
+    # The config cannot import the plan (the controller imports no torch): the same number.
+    assert GeneratorConfig().weight_copy_streams == DEFAULT_COPY_STREAMS
+    with pytest.raises(ValidationError, match="weight_copy_streams"):
+        GeneratorConfig(weight_copy_streams=0)

@@ -55,7 +55,7 @@ def loop() -> Iterator[EngineLoop]:
 def _apply(tmp_path: Path, loop: EngineLoop, workers: Workers, rollback: bool = False) -> Any:
     key = write_fresh_key_file(tmp_path / "key")
     applier = WeightApplier(
-        GeneratorConfig(),
+        GeneratorConfig(weight_copy_streams=2),
         workers,
         loop,
         state=SERVED,
@@ -76,6 +76,7 @@ def test_one_typed_request_reaches_the_workers(tmp_path: Path, loop: EngineLoop)
     (request,) = workers.requests
     assert weights_pb2.WeightManifest.FromString(request.manifest).version == 4
     assert request.trusted_publisher_id == "trainer-1"
+    assert request.copy_streams == 2  # generator.weight_copy_streams
     assert request.rollback is True
     assert request.segment_owner_uid is not None  # the key file's owner
     assert (result.mode, result.plan_cached) == ("in_place", True)
@@ -135,7 +136,9 @@ def test_requests_and_replies_cross_collective_rpc_as_plain_values() -> None:
     process they arrive as sent. The wire form reads back to the same message either way."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    request = ApplyRequest(b"\x08\x04", "auto", "trainer-1", rollback=True, segment_owner_uid=7)
+    request = ApplyRequest(
+        b"\x08\x04", "auto", "trainer-1", copy_streams=2, rollback=True, segment_owner_uid=7
+    )
     refusal = ManifestError(ManifestErrorKind.STORAGE, "gone", name="w")
     replies = [
         WorkerReply(SERVED, mode="repack", plan_cached=True, seconds=0.5),

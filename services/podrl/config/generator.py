@@ -146,6 +146,14 @@ class GeneratorConfig(ServiceSection):
         "their version serves; if not, Generate is refused (FAILED_PRECONDITION, 'needs a "
         "full manifest') until the next ApplyWeights has waited for them.",
     )
+    weight_copy_streams: int = Field(
+        4,
+        ge=1,
+        description="CUDA streams each vLLM worker's copy plan is forked over when an apply "
+        "copies on one GPU (one CUDA graph, its copies in parallel branches). More streams "
+        "finish an apply sooner but take more of the GPU from the Generate calls an in-flight "
+        "apply runs beside; 1 = one stream, copies one after the other. No effect on CPU.",
+    )
 
     @field_validator("weight_apply_mode", mode="before")
     @classmethod

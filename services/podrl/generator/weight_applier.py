@@ -173,6 +173,7 @@ class WeightApplier:
             manifest=manifest.SerializeToString(),
             mode=self._config.weight_apply_mode,
             trusted_publisher_id=self._trusted_publisher_id,
+            copy_streams=self._config.weight_copy_streams,
             rollback=rollback,
             segment_owner_uid=key.owner_uid,
         )

@@ -193,7 +193,9 @@ class PodrlWorkerExtension:
             resolved = self._podrl_resolve_mode(apply.mode)
             if apply.rollback:  # the trainer restarted: its storage is new, reopen everything
                 self.podrl_release_weights()
-            receiver = self._podrl_get_receiver(resolved, apply.trusted_publisher_id)
+            receiver = self._podrl_get_receiver(
+                resolved, apply.trusted_publisher_id, apply.copy_streams
+            )
             if apply.segment_owner_uid is not None:
                 receiver.segment_owner_uid = apply.segment_owner_uid
             # A refusal from the receiver (its start) comes before it writes anything: the
@@ -264,7 +266,7 @@ class PodrlWorkerExtension:
             self._podrl_weights = WorkerWeights()
         return self._podrl_weights
 
-    def _podrl_get_receiver(self, mode: str, trusted_publisher_id: str) -> Any:
+    def _podrl_get_receiver(self, mode: str, trusted_publisher_id: str, copy_streams: int) -> Any:
         """One receiver per worker, built on first use: it holds the opened handles and the
         cached copy plan between versions."""
         if self._podrl_receiver is None:
@@ -281,6 +283,7 @@ class PodrlWorkerExtension:
                 dtype=dtype,
                 device="cpu" if mode == "reload" else self.device,
                 trusted_publisher_id=trusted_publisher_id,
+                copy_streams=copy_streams,
             )
         return self._podrl_receiver
 

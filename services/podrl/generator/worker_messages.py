@@ -42,6 +42,8 @@ class ApplyRequest:
     mode: str
     trusted_publisher_id: str
     """Only manifests whose ``publisher_id`` is this are applied (the pod's trainer)."""
+    copy_streams: int
+    """``generator.weight_copy_streams``: the streams the worker's copy plan forks over."""
     rollback: bool = False
     """Accept an older version (full manifests only) and reopen every handle."""
     segment_owner_uid: int | None = None
@@ -53,6 +55,7 @@ class ApplyRequest:
             "manifest": self.manifest,
             "mode": self.mode,
             "trusted_publisher_id": self.trusted_publisher_id,
+            "copy_streams": self.copy_streams,
             "rollback": self.rollback,
             "segment_owner_uid": self.segment_owner_uid,
         }
@@ -63,6 +66,7 @@ class ApplyRequest:
             manifest=bytes(wire["manifest"]),
             mode=str(wire["mode"]),
             trusted_publisher_id=str(wire["trusted_publisher_id"]),
+            copy_streams=int(wire["copy_streams"]),
             rollback=bool(wire["rollback"]),
             segment_owner_uid=wire["segment_owner_uid"],
         )
