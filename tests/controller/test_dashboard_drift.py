@@ -51,7 +51,7 @@ def _drifting_run(tmp_path: Path, last_mismatch: float) -> tuple[RunState, RunSt
             metrics.update(mismatch_kl=last_mismatch, grad_norm=None)
         warnings = drift_warnings(step, metrics, DriftWarningsConfig())
         metrics["drift_warnings"] = warnings
-        state.add_warnings(warnings)
+        state.set_warnings(state.warnings + warnings)
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, {}, metrics)
     return state, store

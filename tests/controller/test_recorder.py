@@ -76,3 +76,23 @@ def test_a_recovered_step_keeps_the_trainers_stored_reply(recorder: StepRecorder
     record = recorder.record_recovered(RecoveredStep(1, 1, {}, [], "rec:ab:1:1", reply))
     assert record.metrics["loss"] == 0.75 and record.metrics["grad_norm"] == 2.0
     assert record.metrics["reward_mean"] is None
+
+
+def test_drift_warnings_outlive_a_controller_restart_and_leave_with_their_steps(
+    recorder: StepRecorder,
+) -> None:
+    drifting = trainer_pb2.TrainResponse(
+        metrics=trainer_pb2.TrainMetrics(mismatch_kl=1.9, update_ratio=1e-5)
+    )
+    for step in range(1, 24):
+        recorder.record_recovered(RecoveredStep(step, step, {}, [], f"rec:ab:{step}:1", drifting))
+    # The status keeps the latest 20 warnings, each naming its step and knob.
+    assert [w["step"] for w in recorder.state.view().warnings] == list(range(4, 24))
+    assert all(w["figure"] == "mismatch_kl" for w in recorder.state.view().warnings)
+    # A restarted controller (a new recorder over the same run store) still shows them.
+    state = RunState("rec", MemberRegistry(60), 1)
+    again = StepRecorder(recorder.config, state, recorder.store)
+    assert [w["step"] for w in state.view().warnings] == list(range(4, 24))
+    # Steps removed on resume take their warnings with them.
+    again.forget_steps_after(10)
+    assert [w["step"] for w in state.view().warnings] == list(range(4, 11))

@@ -23,7 +23,7 @@ from podrl.controller.records.resume import RecoveredStep
 from podrl.controller.records.run_outputs import SampleLog, write_summary
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.records.tracking import Tracker
-from podrl.controller.service.status import RunState
+from podrl.controller.service.status import MAX_WARNINGS, RunState
 from podrl.controller.step.batch import StepSamples, TrainBatch, is_valid, last_version, sample_id
 from podrl.controller.step.train_phase import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 #: Run store key of the latest failed checkpoint save, {step, error} (checkpointing.py).
 CHECKPOINT_ERROR_KEY = "checkpoint_error"
+
+#: Run store key of the latest drift warnings (records/drift.py), so a restarted controller's
+#: status still shows them.
+DRIFT_WARNINGS_KEY = "drift_warnings"
 
 #: TrainMetrics fields copied into a trained step's record.
 TRAIN_METRICS = (
@@ -92,6 +96,7 @@ class StepRecorder:
         self.tracker = Tracker(config)  # a tracking package that is missing fails here
         evaluations = stored_evaluations(store)
         state.set_evaluations(evaluations[-1] if evaluations else None, len(evaluations))
+        state.set_warnings(store.get(DRIFT_WARNINGS_KEY, []))
 
     def _track(self) -> Tracker:
         """The tracker, opened on first use: by then resume has set where the run goes on."""
@@ -223,7 +228,10 @@ class StepRecorder:
         for warning in warnings:
             log.warning("policy drift at %s", warning["message"])
             metrics.DRIFT_WARNINGS.labels(warning["figure"], warning["side"]).inc()
-        self.state.add_warnings(warnings)
+        if warnings:
+            kept = (self.store.get(DRIFT_WARNINGS_KEY, []) + warnings)[-MAX_WARNINGS:]
+            self.store.put(DRIFT_WARNINGS_KEY, kept)
+            self.state.set_warnings(kept)
         return warnings
 
     def record_eval(self, evaluation: dict[str, Any]) -> None:
@@ -268,6 +276,11 @@ class StepRecorder:
         if len(kept) != len(evaluations):
             self.store.put(EVALS_KEY, kept)
             self.state.set_evaluations(kept[-1] if kept else None, len(kept))
+        warnings = self.store.get(DRIFT_WARNINGS_KEY, [])
+        kept_warnings = [w for w in warnings if w["step"] <= step]
+        if len(kept_warnings) != len(warnings):
+            self.store.put(DRIFT_WARNINGS_KEY, kept_warnings)
+            self.state.set_warnings(kept_warnings)
         return self.store.forget_steps_after(step), self.samples.forget_steps_after(step)
 
     def write_summary(self) -> None:

@@ -111,7 +111,7 @@ class RunStatusView(BaseModel):
     )
     warnings: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="Policy-drift warnings of this controller's steps, the latest "
+        description="Policy-drift warnings of the run's recorded steps, the latest "
         f"{MAX_WARNINGS} at most, oldest first: {{step, figure, value, limit, side (high: "
         "above the max, low: below the min of loop.drift_warnings), knobs, message}.",
     )
@@ -229,10 +229,10 @@ class RunState:
                 }
             )
 
-    def add_warnings(self, warnings: list[dict[str, Any]]) -> None:
-        """A step's drift warnings; the oldest beyond MAX_WARNINGS are forgotten."""
+    def set_warnings(self, warnings: list[dict[str, Any]]) -> None:
+        """The run's latest drift warnings (the recorder keeps at most MAX_WARNINGS)."""
         with self._lock:
-            self.warnings = (self.warnings + [dict(w) for w in warnings])[-MAX_WARNINGS:]
+            self.warnings = [dict(w) for w in warnings]
 
     def set_evaluations(self, last: dict[str, Any] | None, count: int) -> None:
         with self._lock:
