@@ -48,3 +48,14 @@ def test_worker_and_error_text_is_printed_as_text() -> None:
     render_status(status, console)
     text = console.export_text()
     assert text.count(HOSTILE) == 5  # title, healthy pods, error, worker id, address
+
+
+def test_the_latest_drift_warning_is_printed_with_its_knob() -> None:
+    message = "step 3: mismatch_kl 1.9 > 0.02 (loop.drift_warnings.mismatch_kl_max): lower [x]"
+    warnings = [{"step": 2, "message": "older"}, {"step": 3, "message": message}]
+    metrics = {"mismatch_kl": 1.9, "update_ratio": 2e-5, "behaviour_age_max": 1}
+    console = Console(record=True, width=400, color_system=None)
+    render_status(_status(warnings=warnings, last_step_metrics=metrics), console)
+    text = console.export_text()
+    assert f"2; latest: {message}" in text  # "[x]" printed as text, not read as markup
+    assert "mismatch_kl" in text and "1.9" in text and "2e-05" in text

@@ -29,9 +29,16 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     run.add_row("epoch", escape(str(status.get("epoch", 0))))
     run.add_row("uptime", f"{status['uptime_seconds']:.0f} s")
     metrics = status.get("last_step_metrics", {})
-    for name in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "logprob_diff_max"):
+    for name in (
+        "reward_mean", "loss", "kl", "entropy", "grad_norm", "logprob_diff_max", "mismatch_kl",
+        "update_ratio", "behaviour_age_max",
+    ):  # fmt: skip
         if isinstance(metrics.get(name), int | float):
             run.add_row(name, f"{metrics[name]:.4g}")
+    warnings = status.get("warnings") or []
+    if warnings:  # the latest one names the knob to turn (docs/algorithms.md, "When RL drifts")
+        latest = escape(str(warnings[-1].get("message")))
+        run.add_row("drift warnings", f"{len(warnings)}; latest: [yellow]{latest}[/]")
     evaluation = status.get("last_eval")
     if evaluation:
         run.add_row("held-out eval", escape(describe_eval(evaluation)))  # may quote workers
