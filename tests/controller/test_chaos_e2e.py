@@ -162,7 +162,7 @@ def _version_before(steps: list[dict[str, Any]]) -> dict[int, int]:
 def _trainer_logged_metrics(log: str) -> dict[int, dict[str, float]]:
     """Policy version → the entropy and grad norm the trainer logged when it applied it."""
     found = {}
-    for match in re.finditer(r"\(version (\d+)\): .* entropy (\S+) grad_norm (\S+) ", log):
+    for match in re.finditer(r"\bversion (\d+): loss .* entropy (\S+) grad_norm (\S+) ", log):
         found[int(match[1])] = {"entropy": float(match[2]), "grad_norm": float(match[3])}
     return found
 
