@@ -15,9 +15,8 @@ KNOBS = {
         "samples, a step too large, or numerics): lower trainer.lr, lower loop.max_staleness, "
         "or set trainer.off_policy.mask: token (or sequence) so far-off tokens get no gradient"
     ),
-    ("update_ratio", "high"): (
-        "one step moved the weights too far: lower trainer.lr or trainer.grad_clip"
-    ),
+    # AdamW's step scales with the lr, hardly with the gradient's size: grad_clip is no knob.
+    ("update_ratio", "high"): "one step moved the weights too far: lower trainer.lr",
     ("update_ratio", "low"): (
         "the policy does not move: raise trainer.lr (check trainer.warmup_steps), or widen "
         "trainer.off_policy.mask_low/mask_high if the mask leaves no token a gradient"
