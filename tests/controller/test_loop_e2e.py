@@ -245,6 +245,7 @@ def test_samples_carry_the_version_that_produced_them(scenario: dict[str, Any]) 
 
 
 def test_rewards_and_metrics_are_recorded(scenario: dict[str, Any]) -> None:
+    band = scenario["config"].loop.drift_warnings
     for record in scenario["steps"]:
         metrics = record["metrics"]
         if metrics.get("recovered"):
@@ -256,6 +257,19 @@ def test_rewards_and_metrics_are_recorded(scenario: dict[str, Any]) -> None:
                 assert name in metrics
             # The generator's logprobs are the trainer's own: weights really moved.
             assert metrics["logprob_diff_max"] < 1e-3
+            # Policy drift: a sync run samples with the trained version and the engines agree,
+            # so the mismatch is inside the band; the run's lr (1e-3, 1000 times the default)
+            # moves the tiny model's weights by about 1 % a step.
+            assert metrics["behaviour_age_max"] == 0
+            assert metrics["mismatch_kl"] < band.mismatch_kl_max
+            assert metrics["update_ratio"] > 0
+            warned = {(w["figure"], w["side"]) for w in metrics["drift_warnings"]}
+            expected = (
+                {("update_ratio", "high")}
+                if metrics["update_ratio"] > band.update_ratio_max
+                else set()
+            )
+            assert warned == expected, metrics["drift_warnings"]
     families = {f.name: f for f in text_string_to_metric_families(scenario["metrics"])}
     phases = {s.labels["phase"] for s in families["podrl_step_phase_seconds"].samples}
     assert {"generate", "score", "train", "sync"} <= phases
