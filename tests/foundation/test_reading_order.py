@@ -76,3 +76,19 @@ def test_the_lists_add_up_to_the_table() -> None:
         len(sync_files) + len(added),
         sync_packages,
     )
+
+
+def test_the_like_for_like_counts_leave_out_only_the_files_named() -> None:
+    section = _section()
+    paragraph = section[section.index("The review's walk left out") :].split("\n\n")[0]
+    left_out = set(PATH.findall(paragraph))
+    step_block = _details("One synchronous step")
+    step = {f for files in _package_lists(step_block).values() for f in files}
+    added = set(PATH.findall(step_block.split("A full-manifest sync adds")[1]))
+    sync = {f for files in _package_lists(_details("One weight sync")).values() for f in files}
+    assert len(left_out) == 12 and left_out <= step, left_out - step
+    like_step, like_sync = (step | added) - left_out, (sync | added) - left_out
+    packages = len({f.split("/")[0] for f in like_step})
+    assert f"the step is {len(like_step)} files in {packages}" in " ".join(paragraph.split())
+    packages = len({f.split("/")[0] for f in like_sync})
+    assert f"the full sync {len(like_sync)} files in {packages}" in " ".join(paragraph.split())
