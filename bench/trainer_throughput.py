@@ -179,7 +179,7 @@ class PodrlStep:
             **({"PODRL_TRAINER__MICRO_BATCH_TOKENS": str(micro_tokens)} if micro_tokens else {}),
             **{f"PODRL_TRAINER__{k.upper()}": v for k, v in overrides.items()},
         }
-        self.engine = TrainerEngine(load_config(None, env))
+        self.engine = TrainerEngine.build(load_config(None, env))
         self.vocab = self.engine.model.config.vocab_size
 
     @property

@@ -53,7 +53,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
             "PODRL_TRAINER__LR": "1e-3",
         },
     )
-    engine = TrainerEngine(config)
+    engine = TrainerEngine.build(config)
     events: dict[str, list[float]] = {"hook_entered": [], "hook_released": []}
     # Registered before and after the weight sync's own pre-step hook: brackets its wait.
     engine.optimizer.register_step_pre_hook(lambda *_: events["hook_entered"].append(time.time()))

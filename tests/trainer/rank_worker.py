@@ -53,7 +53,7 @@ def _engine(env: dict[str, str]):
     from podrl.config import load_config
     from podrl.trainer.engine import TrainerEngine
 
-    return TrainerEngine(load_config(None, {**os.environ, **env}))
+    return TrainerEngine.build(load_config(None, {**os.environ, **env}))
 
 
 def _metrics(reply: trainer_pb2.TrainResponse) -> dict[str, float]:

@@ -16,7 +16,7 @@ from tests.trainer.rank_worker import config_env, make_request
 
 
 def _train(env: dict[str, str], steps: int) -> tuple[list[float], str]:
-    engine = TrainerEngine(load_config(None, {**os.environ, **env}))
+    engine = TrainerEngine.build(load_config(None, {**os.environ, **env}))
     try:
         losses = [
             engine.train_step(make_request(seed, version=engine.policy_version)).metrics.loss

@@ -161,7 +161,7 @@ def test_packed_layout_puts_each_sequence_after_the_previous_one():
 
 def _engine_metrics(tiny_model, tmp_path, **trainer: object) -> list[tuple[float, ...]]:
     env = config_env(str(tiny_model), str(tmp_path), **trainer)
-    engine = TrainerEngine(load_config(None, {**os.environ, **env}))
+    engine = TrainerEngine.build(load_config(None, {**os.environ, **env}))
     try:
         metrics = []
         for seed in (1, 2):

@@ -17,7 +17,7 @@ from tests.trainer.rank_worker import config_env, make_request
 
 def _engine(tiny_model, tmp_path, **trainer: object) -> TrainerEngine:
     env = config_env(str(tiny_model), str(tmp_path), **trainer)
-    return TrainerEngine(load_config(None, {**os.environ, **env}))
+    return TrainerEngine.build(load_config(None, {**os.environ, **env}))
 
 
 @pytest.mark.parametrize(

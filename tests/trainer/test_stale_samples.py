@@ -35,7 +35,7 @@ def test_stale_samples_clip_plain_ppo_and_stay_bounded_under_the_decoupled_objec
     tiny_model, tmp_path
 ):
     env = config_env(str(tiny_model), str(tmp_path), lr="3e-2")
-    engine = TrainerEngine(load_config(None, {**os.environ, **env}))
+    engine = TrainerEngine.build(load_config(None, {**os.environ, **env}))
     try:
         stale = make_request(SEED, sequences=SEQUENCES)
         behaviour = _trainer_logprobs(engine, stale)  # version 0 sampled them

@@ -59,8 +59,8 @@ def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
     device = getattr(request, "param", "cpu")
     monkeypatch.delenv("MASTER_ADDR", raising=False)  # one rank, in-process store
     config = _config(tiny_model, tmp_path, device)
-    engine = TrainerEngine(config)
-    loop = CommandLoop()
+    engine = TrainerEngine.build(config)
+    loop = CommandLoop.build(config.trainer)
     register_builtin_commands(loop, engine)
     sync = register_weight_commands(
         loop,
@@ -228,8 +228,8 @@ def test_the_optimizer_waits_for_an_acknowledgement_as_long_as_the_config_says(
     # never comes; the step's pre-hook waits trainer.weights_ack_timeout_seconds, then fails.
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     env = config_env(str(tiny_model), str(tmp_path), weights_ack_timeout_seconds=2.5)
-    engine = TrainerEngine(load_config(None, env))
-    sync = register_commands(CommandLoop(), engine)
+    engine = TrainerEngine.build(load_config(None, env))
+    sync = register_commands(CommandLoop.build(engine.settings), engine)
     waits: list[float | None] = []
 
     class Unacknowledged:

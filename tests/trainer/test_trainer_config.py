@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from podrl.config import ConfigError, load_config
@@ -41,3 +43,40 @@ def test_dual_clip_is_on_by_default_and_zero_or_null_turns_it_off(tmp_path):
     assert load_config(tmp_path / "run.yaml", {}).trainer.clip_ratio_c is None
     assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "0"}).trainer.clip_ratio_c is None
     assert load_config(None, {"PODRL_TRAINER__CLIP_RATIO_C": "2.5"}).trainer.clip_ratio_c == 2.5
+
+
+def test_the_rank_command_loop_waits_as_long_as_configured(monkeypatch):
+    # Ranks > 0 wait for rank 0's next command on the loop's own gloo group, whose timeout
+    # is the idle timeout: the config's, not a constant.
+    import torch.distributed as dist
+
+    from podrl.trainer.rank_command_loop import CommandLoop
+
+    groups: list[dict] = []
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: groups.append(kwargs))
+    settings = load_config(None, {"PODRL_TRAINER__COMMAND_IDLE_TIMEOUT_SECONDS": "90"}).trainer
+    CommandLoop.build(settings)
+    assert groups == [{"backend": "gloo", "timeout": timedelta(seconds=90)}]
+    assert load_config(None, {}).trainer.command_idle_timeout_seconds == 30 * 24 * 3600
+
+
+def test_gradients_cross_pods_in_buckets_of_the_configured_size():
+    import torch
+
+    from podrl.trainer.replication import gradient_buckets
+
+    replication = load_config(
+        None, {"PODRL_TRAINER__REPLICATION__GRADIENT_BUCKET_MIB": "1"}
+    ).trainer.replication
+    assert load_config(None, {}).trainer.replication.gradient_bucket_mib == 256
+    quarter = 1 << 16  # float32 elements in 256 KiB
+    grads = [torch.full((quarter,), float(i)) for i in range(6)] + [
+        torch.zeros(3, dtype=torch.int64)
+    ]
+    buckets = gradient_buckets(grads, replication.gradient_bucket_mib << 20)
+    # A bucket closes once it holds 1 MiB: four float32 tensors, then the other two; the int64
+    # tensor has a bucket of its own dtype.
+    assert [len(tensors) for tensors, _ in buckets] == [4, 2, 1]
+    assert torch.equal(buckets[1][1], torch.cat([grads[4], grads[5]]))

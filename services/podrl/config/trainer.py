@@ -85,6 +85,12 @@ class ReplicationConfig(Section):
         description="Port of this pod's TCPStore, where peers rendezvous for the cross-pod "
         "process group; 0 = a free port.",
     )
+    gradient_bucket_mib: int = Field(
+        256,
+        ge=1,
+        description="Gradients cross pods in flat buckets of about this many MiB, one "
+        "all-reduce each: larger buckets take fewer round trips and more memory for the copy.",
+    )
 
     @field_validator("lighthouse_server_bind")
     @classmethod
@@ -182,6 +188,13 @@ class TrainerConfig(ServiceSection):
         gt=0,
         description="Timeout of one collective (a rank that does not answer "
         "within it fails the step).",
+    )
+    command_idle_timeout_seconds: float = Field(
+        30 * 24 * 3600.0,
+        gt=0,
+        description="How long trainer ranks > 0 wait for rank 0's next command (an idle "
+        "trainer between two RPCs) before their command loop fails and they exit; the "
+        "timeout of the rank command loop's own gloo group.",
     )
     weights_ack_timeout_seconds: float = Field(
         600.0,

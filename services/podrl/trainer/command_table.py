@@ -72,6 +72,6 @@ def register_commands(loop: CommandLoop, engine: TrainerEngine) -> WeightPublish
         loop,
         engine,
         rank=engine.env.rank,
-        publisher_id=engine.config.worker_id,
+        publisher_id=engine.worker_id,
         ack_timeout=engine.settings.weights_ack_timeout_seconds,
     )

@@ -26,6 +26,8 @@ from podrl.algorithms.losses import LossSettings, policy_loss
 from podrl.common import faults
 from podrl.common.auth import load_run_secret
 from podrl.config import RunConfig
+from podrl.config.auth import AuthConfig
+from podrl.config.trainer import TrainerConfig
 from podrl.trainer import checkpoint, export
 from podrl.trainer.batch import (
     BatchLimits,
@@ -141,14 +143,49 @@ def _metrics(
 
 
 class TrainerEngine:
-    """See the module docstring. Build it on every rank with the same config."""
+    """See the module docstring. Build it on every rank with the same config
+    (:meth:`build`); the constructor takes the trainer's section, the run's auth section and
+    what was resolved from the rest of the run config."""
 
-    def __init__(self, config: RunConfig, env: RankEnv | None = None) -> None:
-        self.config = config
-        self.settings = config.trainer
-        self.env = env or RankEnv.from_environ()
-        self.device = resolve_device(config, self.env)
-        self.mesh: DeviceMesh = init_distributed(config, self.env, self.device)
+    @classmethod
+    def build(cls, config: RunConfig, env: RankEnv | None = None) -> TrainerEngine:
+        """This rank's engine: joins the trainer's process group, resolves the device (the
+        run's ``device``) and the model folder, and takes the worker id as the pod's id."""
+        env = env or RankEnv.from_environ()
+        device = resolve_device(config, env)
+        mesh = init_distributed(config, env, device)
+        # Every rank resolves it; the tiny default is written atomically by whichever is first.
+        model_path = resolve_model_path(config)
+        return cls(
+            config.trainer,
+            auth=config.auth,
+            env=env,
+            device=device,
+            mesh=mesh,
+            model_path=model_path,
+            worker_id=config.worker_id,
+        )
+
+    def __init__(
+        self,
+        settings: TrainerConfig,
+        *,
+        auth: AuthConfig,
+        env: RankEnv,
+        device: torch.device,
+        mesh: DeviceMesh,
+        model_path: Path,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        # The run secret is read when the pods' replica is built (the first replicated Train).
+        self.auth = auth
+        self.env = env
+        self.device = device
+        self.mesh = mesh
+        self.model_path = model_path
+        # The pod's id: its replica id across pods and the publisher id of its manifests.
+        self.worker_id = worker_id
         # The ranks' vote before the optimizer step (``_agree``): CPU bytes on a group of its
         # own, waiting longer than a model collective so a rank stuck in one still gets here.
         self._agreement_group = (
@@ -160,8 +197,6 @@ class TrainerEngine:
             else None
         )
         torch.manual_seed(self.settings.seed)
-        # Every rank resolves it; the tiny default is written atomically by whichever is first.
-        self.model_path = resolve_model_path(config)
         compile_layers = self.settings.compile_layers
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
@@ -424,7 +459,7 @@ class TrainerEngine:
         if self.replica is None:
             self.replica = CrossPodReplica(
                 self.settings.replication,
-                replica_id=self.config.worker_id,
+                replica_id=self.worker_id,
                 advertise_host=self.settings.advertise_host,
                 pod_group=self._agreement_group,
                 metric_count=len(_SUMS),
@@ -434,7 +469,7 @@ class TrainerEngine:
                 state_dict=self.state_dict,
                 load_state_dict=self.load_state_dict,
                 # The replica id carries its MAC (the Lighthouse's front checks it).
-                secret=load_run_secret(self.config.auth),
+                secret=load_run_secret(self.auth),
             )
         try:
             # The version is read when called: a heal inside begin changes it.

@@ -29,8 +29,8 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     from podrl.trainer.rank_command_loop import CommandLoop
     from podrl.trainer.servicer import TrainerServicer
 
-    engine = TrainerEngine(config)
-    loop = CommandLoop()
+    engine = TrainerEngine.build(config)
+    loop = CommandLoop.build(config.trainer)
     register_commands(loop, engine)
     spec = worker_spec(
         "trainer",
@@ -58,9 +58,9 @@ def follow(config: RunConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    engine = TrainerEngine(config)
+    engine = TrainerEngine.build(config)
     try:
-        loop = CommandLoop()
+        loop = CommandLoop.build(config.trainer)
         register_commands(loop, engine)
         loop.serve_forever()
     except Exception as err:  # rank 0 gone: the socket error ends the wait

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from podrl.config.trainer import TrainerConfig
 from podrl.trainer.errors import ErrorKind, error_kind
 from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_bytes
@@ -77,9 +78,10 @@ class RankCommandError(RuntimeError):
 
 
 class CommandLoop:
-    """The dispatch table plus the wire between rank 0 and the others."""
+    """The dispatch table plus the wire between rank 0 and the others. ``idle_timeout``: how
+    long ranks > 0 wait for the next command (``trainer.command_idle_timeout_seconds``)."""
 
-    def __init__(self, idle_timeout: timedelta = timedelta(days=30)) -> None:
+    def __init__(self, idle_timeout: timedelta) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # Its own gloo group: commands are CPU bytes, and ranks > 0 may wait long between them.
@@ -97,6 +99,11 @@ class CommandLoop:
         if name == SHUTDOWN or name in self._handlers:
             raise ValueError(f"rank command {name!r} is already registered")
         self._handlers[name] = handler
+
+    @classmethod
+    def build(cls, settings: TrainerConfig) -> CommandLoop:
+        """This rank's loop, from the trainer's config section."""
+        return cls(timedelta(seconds=settings.command_idle_timeout_seconds))
 
     @property
     def commands(self) -> list[str]:

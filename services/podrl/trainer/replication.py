@@ -61,8 +61,6 @@ from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
-# Gradients cross pods in flat buffers of about this size (one all-reduce each).
-GRADIENT_BUCKET_BYTES = 256 << 20
 # A quorum that misses a pod is asked for again after this pause (doubling up to 1 s).
 QUORUM_RETRY_SECONDS = 0.1
 
@@ -606,21 +604,7 @@ class CrossPodReplica:
             if param.grad is None:  # every pod must send the same buckets
                 param.grad = torch.zeros_like(param)
             grads.append(_local(param.grad))
-        buckets: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in grads:
-            kinds.setdefault((grad.device, grad.dtype), []).append(grad)
-        for tensors in kinds.values():
-            chunk: list[torch.Tensor] = []
-            size = 0
-            for tensor in tensors:
-                chunk.append(tensor)
-                size += tensor.numel() * tensor.element_size()
-                if size >= GRADIENT_BUCKET_BYTES:
-                    buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
-                    chunk, size = [], 0
-            if chunk:
-                buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
+        buckets = gradient_buckets(grads, self.settings.gradient_bucket_mib << 20)
         error = self._allreduce([flat for _, flat in buckets], dist.ReduceOp.SUM)
         if error is not None:
             return error
@@ -682,6 +666,29 @@ class _AdmittingClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def gradient_buckets(
+    grads: list[torch.Tensor], bucket_bytes: int
+) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``grads`` in flat buckets of one device and dtype each, a bucket closed once it holds
+    ``bucket_bytes`` or more: (its tensors, their concatenated copy)."""
+    buckets: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        kinds.setdefault((grad.device, grad.dtype), []).append(grad)
+    for tensors in kinds.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for tensor in tensors:
+            chunk.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
+                chunk, size = [], 0
+        if chunk:
+            buckets.append((chunk, torch.cat([t.reshape(-1) for t in chunk])))
+    return buckets
 
 
 def _copy_into(target: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:
