@@ -49,6 +49,16 @@ def config_env(model_dir: str, run_dir: str, **trainer: object) -> dict[str, str
     return env
 
 
+@torch.no_grad()
+def policy_logits(engine, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full logits of the engine's policy for ``input_ids`` [B, L] (a collective: every rank
+    calls it)."""
+    engine.model.eval()
+    out = engine.model(input_ids=input_ids.to(engine.device)).logits.float()
+    engine.model.train()
+    return out
+
+
 def _engine(env: dict[str, str]):
     from podrl.config import load_config
     from podrl.trainer.engine import TrainerEngine
@@ -162,7 +172,7 @@ def scenario(
                 results.append(engine.export_hf(Path(step[1])))
             elif kind == "logits":
                 ids = torch.tensor([s.prompt_ids for s in make_request(step[1]).sequences[:1]])
-                logits = engine.logits(ids)
+                logits = policy_logits(engine, ids)
                 torch.save(logits.cpu(), step[2]) if rank == 0 else None
                 results.append(None)
         rank_output(out, rank).write_text(json.dumps(results))

@@ -12,7 +12,7 @@ import torch
 from podrl.config import load_config
 from podrl.config.loop import DriftWarningsConfig
 from podrl.trainer.engine import TrainerEngine
-from tests.trainer.rank_worker import config_env, make_request
+from tests.trainer.rank_worker import config_env, make_request, policy_logits
 
 
 def _engine(tiny_model, tmp_path, **trainer: object) -> TrainerEngine:
@@ -25,7 +25,7 @@ def _trainer_logprobs(engine: TrainerEngine, request) -> list[list[float]]:
     out = []
     for seq in request.sequences:
         ids = torch.tensor([list(seq.prompt_ids) + list(seq.completion_ids)])
-        logp = torch.log_softmax(engine.logits(ids)[0].double(), dim=-1)
+        logp = torch.log_softmax(policy_logits(engine, ids)[0].double(), dim=-1)
         start = len(seq.prompt_ids) - 1  # the logits at i predict token i + 1
         out.append([logp[start + t, token].item() for t, token in enumerate(seq.completion_ids)])
     return out

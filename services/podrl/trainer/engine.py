@@ -351,14 +351,6 @@ class TrainerEngine:
             logprobs, entropy = plain_logprobs(selected, batch.token_targets, temperature)
         return batch.to_rows(logprobs), batch.to_rows(entropy)
 
-    @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits of the current policy for ``input_ids`` [B, L] (collective, every rank)."""
-        self.model.eval()
-        out = self.model(input_ids=input_ids.to(self.device)).logits.float()
-        self.model.train()
-        return out
-
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(

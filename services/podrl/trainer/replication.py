@@ -317,7 +317,6 @@ class CrossPodReplica:
         # Per step: did this pod's quorum form, did it take part in the gradient vote.
         self._in_quorum = False
         self._voted = False
-        self.heals = 0
         log.info(
             "trainer rank %d: replica %r of the pods at %s (store %s:%d)",
             env.rank,
@@ -386,7 +385,6 @@ class CrossPodReplica:
             {"model": state["model"], "optim": state["optim"]},
         )
         self._load_trainer_state({**filled, "train_state": state["train_state"]})
-        self.heals += 1
         log.info(
             "trainer rank %d healed from a peer pod: version %d -> %d",
             self._env.rank,
