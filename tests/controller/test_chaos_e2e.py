@@ -39,7 +39,7 @@ from podrl.controller.records.recorder import SAMPLE_FIGURES, TRAIN_METRICS
 from podrl.models.tiny import make_tiny_model
 from podrl.trainer.warm_start import warm_start
 from tests.controller.chaos_reward import raises_on
-from tests.controller.test_loop_e2e import _versions
+from tests.controller.cluster_versions import policy_versions
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         console = Console(file=io.StringIO(), width=200)
         observed["exit_code"] = follow_run(cluster, config, threading.Event(), console)
         observed["steps"] = fetch_all_steps(cluster.rest_url)
-        observed["trainer"], observed["generator"] = _versions(cluster)
+        observed["trainer"], observed["generator"] = policy_versions(cluster)
     finally:
         cluster.stop(grace=30, controller_first=True)
     for name in ("controller", "generator", "trainer"):

@@ -26,12 +26,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.local_cluster import LocalCluster
-from podrl.common.grpc_options import open_channel
 from podrl.config import load_config
-from podrl.config.transport import GrpcConfig
 from podrl.models.tiny import make_tiny_model
 from podrl.trainer.warm_start import warm_start
-from podrl.v1 import common_pb2, generator_pb2_grpc, trainer_pb2_grpc
+from tests.controller.cluster_versions import policy_versions
 
 pytestmark = pytest.mark.slow
 
@@ -106,21 +104,6 @@ def _status(cluster: LocalCluster) -> dict[str, Any]:
         return {}
 
 
-def _versions(cluster: LocalCluster) -> tuple[Any, Any]:
-    """The trainer's and the generator's Info (policy versions) as they answer now."""
-    with open_channel(
-        cluster.child("trainer").grpc_address, GrpcConfig(), cluster.credentials()
-    ) as channel:
-        trainer = trainer_pb2_grpc.TrainerStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
-    with open_channel(
-        cluster.child("generator").grpc_address, GrpcConfig(), cluster.credentials()
-    ) as channel:
-        generator = generator_pb2_grpc.GeneratorStub(channel).Info(
-            common_pb2.InfoRequest(), timeout=10
-        )
-    return trainer, generator
-
-
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("e2e")
@@ -184,7 +167,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         observed["steps_after_db_loss"] = httpx.get(f"{third.rest_url}/v1/steps", timeout=5).json()
         observed["steps"] = observed["steps"] + observed["steps_after_db_loss"]
-        observed["trainer"], observed["generator"] = _versions(third)
+        observed["trainer"], observed["generator"] = policy_versions(third)
         time.sleep(1.5)  # one heartbeat interval and a bit: the versions reach the controller
         observed["workers"] = httpx.get(f"{third.rest_url}/v1/workers", timeout=5).json()
         observed["db_loss_log"] = third.child("controller").log_path.read_text()

@@ -179,9 +179,9 @@ def test_the_tiny_model_init_command_needs_only_the_trainer_image(tmp_path: Path
     import what only the controller, grader or generator images install."""
     from importlib import metadata
 
-    from tests.k8s.test_images import _closure
+    from tests.k8s.distributions import requirement_closure
 
-    trainer = _closure(metadata.requires("podrl") or [], {"trainer"})
+    trainer = requirement_closure(metadata.requires("podrl") or [], {"trainer"})
     assert not set(NOT_IN_TRAINER_IMAGE) & trainer
     (init,) = worker_pod(render({}))["initContainers"]
     blocked = f"BLOCKED = {set(NOT_IN_TRAINER_IMAGE.values())!r}\n"

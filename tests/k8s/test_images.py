@@ -7,10 +7,9 @@ import re
 from importlib import metadata
 
 import pytest
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 from podrl.tools.render_k8s import REPO_ROOT
+from tests.k8s.distributions import requirement_closure
 from tests.k8s.local_pod import image_config
 
 SERVICES = ("controller", "grader", "generator", "trainer")
@@ -111,35 +110,14 @@ def test_the_wheelhouse_is_in_the_build_context_but_not_in_git() -> None:
     assert "wheelhouse/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
 
 
-def _closure(requirements: list[str], extras: set[str]) -> set[str]:
-    """Names of the installed distributions these requirements pull in (markers evaluated)."""
-    seen: set[str] = set()
-    todo = [(Requirement(r), extras) for r in requirements]
-    while todo:
-        req, active = todo.pop()
-        environments = [{"extra": e} for e in active] or [{"extra": ""}]
-        if req.marker and not any(req.marker.evaluate(env) for env in environments):
-            continue
-        name = canonicalize_name(req.name)
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            requires = metadata.requires(req.name) or []
-        except metadata.PackageNotFoundError:
-            continue
-        todo += [(Requirement(r), set(req.extras)) for r in requires]
-    return seen
-
-
 @pytest.mark.parametrize("extra", ["controller", "grader"])
 def test_slim_images_pull_no_torch(extra: str) -> None:
     podrl_requires = metadata.requires("podrl") or []
-    pulled = _closure(podrl_requires, {extra})
+    pulled = requirement_closure(podrl_requires, {extra})
     assert "grpcio" in pulled  # the walk works
     assert pulled & HEAVY == set(), f"podrl[{extra}] pulls {sorted(pulled & HEAVY)}"
 
 
 def test_the_trainer_extra_does_pull_torch() -> None:
     """The same walk finds torch where it belongs (the check above can fail)."""
-    assert "torch" in _closure(metadata.requires("podrl") or [], {"trainer"})
+    assert "torch" in requirement_closure(metadata.requires("podrl") or [], {"trainer"})
