@@ -13,8 +13,8 @@ import torch
 from podrl.algorithms.losses import BatchTotals, policy_loss, token_weights
 from podrl.config import load_config
 from podrl.trainer.engine import TrainerEngine
+from tests.trainer.engine_logprobs import trainer_logprobs
 from tests.trainer.rank_worker import config_env, make_request
-from tests.trainer.test_train_metrics import _trainer_logprobs
 
 SEED, SEQUENCES, MOVES = 100, 8, 3
 
@@ -38,11 +38,11 @@ def test_stale_samples_clip_plain_ppo_and_stay_bounded_under_the_decoupled_objec
     engine = TrainerEngine.build(load_config(None, {**os.environ, **env}))
     try:
         stale = make_request(SEED, sequences=SEQUENCES)
-        behaviour = _trainer_logprobs(engine, stale)  # version 0 sampled them
+        behaviour = trainer_logprobs(engine, stale)  # version 0 sampled them
         for _ in range(MOVES):  # on-policy steps on the same prompts: the policy moves far
             fresh = make_request(SEED, sequences=SEQUENCES, version=engine.policy_version)
-            engine.train_step(_with_generator_logprobs(fresh, _trainer_logprobs(engine, fresh)))
-        now = _trainer_logprobs(engine, stale)
+            engine.train_step(_with_generator_logprobs(fresh, trainer_logprobs(engine, fresh)))
+        now = trainer_logprobs(engine, stale)
         _with_generator_logprobs(stale, behaviour)
         stale.policy_version = engine.policy_version
         plain_settings = engine.loss_settings

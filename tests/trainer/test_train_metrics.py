@@ -12,23 +12,13 @@ import torch
 from podrl.config import load_config
 from podrl.config.loop import DriftWarningsConfig
 from podrl.trainer.engine import TrainerEngine
-from tests.trainer.rank_worker import config_env, make_request, policy_logits
+from tests.trainer.engine_logprobs import trainer_logprobs
+from tests.trainer.rank_worker import config_env, make_request
 
 
 def _engine(tiny_model, tmp_path, **trainer: object) -> TrainerEngine:
     env = config_env(str(tiny_model), str(tmp_path), **trainer)
     return TrainerEngine.build(load_config(None, {**os.environ, **env}))
-
-
-def _trainer_logprobs(engine: TrainerEngine, request) -> list[list[float]]:
-    """log pi(token) of every completion token, from the full logits of each sequence."""
-    out = []
-    for seq in request.sequences:
-        ids = torch.tensor([list(seq.prompt_ids) + list(seq.completion_ids)])
-        logp = torch.log_softmax(policy_logits(engine, ids)[0].double(), dim=-1)
-        start = len(seq.prompt_ids) - 1  # the logits at i predict token i + 1
-        out.append([logp[start + t, token].item() for t, token in enumerate(seq.completion_ids)])
-    return out
 
 
 def test_off_policy_metrics_match_the_model_logits(tiny_model, tmp_path):
@@ -41,7 +31,7 @@ def test_off_policy_metrics_match_the_model_logits(tiny_model, tmp_path):
     )
     try:
         request = make_request(7, sequences=6)
-        logps = _trainer_logprobs(engine, request)
+        logps = trainer_logprobs(engine, request)
         weights, signs = [], []
         for seq, logp in zip(request.sequences, logps, strict=True):
             for mine, theirs in zip(logp, seq.generator_logprobs, strict=True):
