@@ -1,5 +1,5 @@
 """Asynchronous mode (``loop.mode: async``) against fake pods over real gRPC and the REAL
-grader (tests/controller/fake_workers.py, the Cluster of test_pods_fake.py).
+grader (tests/controller/fake_workers.py, the Cluster of tests/controller/fake_cluster.py).
 
 Each test runs ``GrpoLoop.run`` to its end and checks what the run left behind: from
 ``samples.jsonl`` and the step records, no trained sample is older than ``max_staleness``
@@ -10,32 +10,19 @@ is trained in exactly one step (none skipped, none twice) through drains, kills 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
+from tests.controller.fake_cluster import Cluster, check_every_prompt_once, digest
+from tests.controller.fake_pod_loop import PROMPTS
 from tests.controller.fake_workers import FakePod, FakeReplicaGroup
-from tests.controller.test_pods_fake import (
-    PROMPTS,
-    Cluster,
-    _check_every_prompt_once,
-    _digest,
-    grader_address,  # noqa: F401  (the module's real grader)
-)
 
 STEPS = 6
 TRAIN_SECONDS = 0.25
 """Each fake Train takes this long: the producer generates the next batches meanwhile."""
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, grader_address: str) -> Iterator[Cluster]:  # noqa: F811
-    cluster = Cluster(tmp_path, grader_address, FakeReplicaGroup())
-    yield cluster
-    cluster.stop()
 
 
 def _slow(pod: FakePod) -> FakePod:
@@ -108,8 +95,8 @@ def test_no_trained_sample_is_older_than_max_staleness(
         assert record.metrics["behaviour_age_max"] == max(ages)
         assert record.metrics["behaviour_age_mean"] == pytest.approx(sum(ages) / len(ages))
     assert max(r.metrics["behaviour_age_max"] for r in run["steps"]) == max_staleness
-    assert len({_digest(pod.address).sha256 for pod in pods}) == 1
-    _check_every_prompt_once(run["samples"], STEPS)
+    assert len({digest(pod.address).sha256 for pod in pods}) == 1
+    check_every_prompt_once(run["samples"], STEPS)
     # The status page says so too.
     rollout = run["state"].view().rollout
     assert rollout.mode == "async" and rollout.max_staleness == max_staleness
@@ -132,7 +119,7 @@ def test_the_trainers_publish_during_a_batch_and_the_generators_apply_after_it(
     assert any(pod.trainer.published_while_generating)
     assert pod.generator.overlaps == 0
     assert max(_staleness_of_trained(run)) <= 1
-    _check_every_prompt_once(run["samples"], STEPS)
+    check_every_prompt_once(run["samples"], STEPS)
 
 
 def test_in_flight_weight_updates_land_mid_batch_and_samples_record_both_versions(
@@ -162,7 +149,7 @@ def test_in_flight_weight_updates_land_mid_batch_and_samples_record_both_version
     rollout = run["state"].view().rollout
     assert rollout.weight_apply == "in_flight"
     assert rollout.samples_spanning_versions == len(spanning)
-    _check_every_prompt_once(run["samples"], STEPS)
+    check_every_prompt_once(run["samples"], STEPS)
 
 
 def test_between_batches_no_sample_spans_versions(cluster: Cluster) -> None:
@@ -186,7 +173,7 @@ def _by_step(run: dict[str, Any]) -> list[tuple[int, str, int, bool]]:
 
 def test_max_staleness_zero_is_the_synchronous_run_step_for_step(
     tmp_path: Path,
-    grader_address: str,  # noqa: F811
+    grader_address: str,
 ) -> None:
     runs, pods = {}, {}
     for mode, loop in (("sync", {}), ("async", {"mode": "async", "max_staleness": 0})):
@@ -273,7 +260,7 @@ def test_a_restart_continues_after_the_last_recorded_step_with_the_buffer_drawn_
         row["prompt_id"] for row in second["samples"] if row["trained"] and row["index"] == 0
     ]
     assert trained == [f"copy/{i}" for i in range(STEPS * PROMPTS)]  # none skipped or twice
-    _check_every_prompt_once(second["samples"], STEPS)
+    check_every_prompt_once(second["samples"], STEPS)
     assert max(_staleness_of_trained(second)) <= 2
 
 
@@ -293,8 +280,8 @@ def test_a_pod_killed_mid_train_in_async_mode_leaves_and_the_step_is_trained_onc
     assert records[3]["pods"] == ["pod-0", "pod-2"] and records[3]["train_sends"] == 2
     for pod in (pods[0], pods[2]):
         assert pod.trainer.version == 5 and len(pod.trainer.applied) == 5
-    assert _digest(pods[0].address).sha256 == _digest(pods[2].address).sha256
-    _check_every_prompt_once(run["samples"], 5)
+    assert digest(pods[0].address).sha256 == digest(pods[2].address).sha256
+    check_every_prompt_once(run["samples"], 5)
     assert max(_staleness_of_trained(run)) <= 1
 
 
@@ -316,7 +303,7 @@ def test_a_pod_drained_in_async_mode_keeps_its_samples_and_nothing_is_lost(
     assert run["steps"][-1].metrics["pods"] == ["pod-0"]
     # What the drained pod generated before it left was kept and trained by pod-0.
     assert any(row["pod"] == "pod-1" and row["trained"] for row in run["samples"])
-    _check_every_prompt_once(run["samples"], 5)
+    check_every_prompt_once(run["samples"], 5)
     assert max(_staleness_of_trained(run)) <= 1
 
 
@@ -340,7 +327,7 @@ def test_a_failed_generate_in_async_mode_is_retried_with_the_same_prompts(
     # The failed call generated nothing; the retry asked for step 2's prompts again, in order.
     assert pod.generator.generated == [f"copy/{i}" for i in range(4 * PROMPTS)]
     assert pod.trainer.version == 4
-    _check_every_prompt_once(run["samples"], 4)
+    check_every_prompt_once(run["samples"], 4)
 
 
 def test_a_group_newer_than_the_trainers_fails_the_run(cluster: Cluster) -> None:
@@ -411,6 +398,6 @@ def test_a_pod_that_joins_in_async_mode_heals_and_generates_only_with_current_we
     rows = [row for row in run["samples"] if row["pod"] == "pod-1"]
     assert rows and min(row["policy_version"] for row in rows) >= first.version
     assert new.trainer.version == cluster.pods["pod-0"].trainer.version == 5
-    assert _digest(new.address).sha256 == _digest(cluster.pods["pod-0"].address).sha256
-    _check_every_prompt_once(run["samples"], 5)
+    assert digest(new.address).sha256 == digest(cluster.pods["pod-0"].address).sha256
+    check_every_prompt_once(run["samples"], 5)
     assert max(_staleness_of_trained(run)) <= 1

@@ -1,5 +1,5 @@
 """Held-out evaluation in the GRPO loop, against the fake pod (real gRPC) and the REAL grader of
-tests/controller/test_loop_fake_pod.py: when it runs, that it samples greedily, trains nothing and
+tests/controller/fake_pod_loop.py: when it runs, that it samples greedily, trains nothing and
 draws no training prompt, its figures, where they are recorded, and the export at the end."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
-import tests.controller.test_loop_fake_pod as fake_pod_loop
 from podrl.config import RunConfig
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.records.evaluation import EVALS_KEY, greedy_sampling, score_evaluation
@@ -23,26 +22,20 @@ from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import StepSamples, sample_id
 from podrl.tasks import PromptItem
 from podrl.v1 import common_pb2, generator_pb2, grader_pb2, trainer_pb2
+from tests.controller.fake_pod_loop import ConfigFor, RunLoop, loop_config
 from tests.controller.fake_workers import FakeGenerator, FakePod, FakeTrainer
-from tests.controller.test_loop_fake_pod import RunLoop, grader_address, pod, run_loop
-
-__all__ = ["grader_address", "pod", "run_loop"]  # fixtures used here
 
 EVAL_PROMPTS = 5
 
 
-@pytest.fixture(autouse=True)
-def eval_config(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def run_config() -> ConfigFor:
     """The fake-pod run config with a held-out part of the copy task (30 % of its prompts)."""
-    original = fake_pod_loop._config
 
     def config(run_dir: Path, grader_port: int, **loop: Any) -> RunConfig:
-        base = original(run_dir, grader_port).model_dump(mode="json")
-        base["tasks"]["definitions"][0]["split"] = {"eval": 0.3}
-        base["loop"].update(loop)
-        return RunConfig.model_validate(base)
+        return loop_config(run_dir, grader_port, task={"split": {"eval": 0.3}}, **loop)
 
-    monkeypatch.setattr(fake_pod_loop, "_config", config)
+    return config
 
 
 @pytest.fixture

@@ -47,18 +47,16 @@ from podrl.controller.pods.scaling import (
 from podrl.tools.helm_binary import kubectl_path
 from podrl.tools.render_k8s import helm_template, parse_objects
 from tests.controller.kube_api import ApiServer
-
-NAMESPACE = "podrl"
-STATEFULSET = "podrl-worker"
-# What the chart's selectorLabels render to for the worker component of release "podrl".
-SELECTOR = {
-    "app.kubernetes.io/name": "podrl",
-    "app.kubernetes.io/instance": "podrl",
-    "app.kubernetes.io/component": "worker",
-}
-WAIT_SECONDS = 30
-BACKOFF_INITIAL = 0.05
-
+from tests.controller.kube_objects import (
+    BACKOFF_INITIAL,
+    NAMESPACE,
+    SELECTOR,
+    STATEFULSET,
+    WAIT_SECONDS,
+    create_pod,
+    create_statefulset,
+    watch_config,
+)
 
 # --- fixtures and helpers ------------------------------------------------------------------
 
@@ -77,20 +75,6 @@ def kube(server: ApiServer) -> Iterator[client.ApiClient]:
     api.close()
 
 
-def watch_config(server: ApiServer, **overrides: Any) -> KubeWatchConfig:
-    settings: dict[str, Any] = {
-        "namespace": NAMESPACE,
-        "statefulset": STATEFULSET,
-        "selector": SELECTOR,
-        "client_configuration": server.configuration(),
-        "watch_timeout_seconds": 60,
-        "backoff_initial_seconds": BACKOFF_INITIAL,
-        "backoff_max_seconds": 2.0,
-        "backoff_jitter": 0.0,
-    }
-    return KubeWatchConfig(**{**settings, **overrides})
-
-
 @pytest.fixture
 def started() -> Iterator[Callable[..., KubeWatch]]:
     """Start a KubeWatch; stopped (and checked stopped) at teardown."""
@@ -106,58 +90,6 @@ def started() -> Iterator[Callable[..., KubeWatch]]:
     for kube_watch in watches:
         kube_watch.stop()
         assert not kube_watch.running
-
-
-def create_statefulset(
-    kube: client.ApiClient, replicas: int = 1, ready: int = 0, name: str = STATEFULSET
-) -> None:
-    client.AppsV1Api(kube).create_namespaced_stateful_set(
-        NAMESPACE,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "StatefulSet",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": SELECTOR},
-            "spec": {
-                "replicas": replicas,
-                "serviceName": name,
-                "selector": {"matchLabels": SELECTOR},
-                "template": {
-                    "metadata": {"labels": SELECTOR},
-                    "spec": {"containers": [{"name": "trainer", "image": "podrl-trainer"}]},
-                },
-            },
-            "status": {"replicas": replicas, "readyReplicas": ready},
-        },
-    )
-
-
-def create_pod(
-    kube: client.ApiClient,
-    name: str,
-    *,
-    ready: bool = True,
-    labels: dict[str, str] | None = None,
-    finalizers: list[str] | None = None,
-    ip: str = "10.1.0.1",
-) -> None:
-    metadata: dict[str, Any] = {"name": name, "namespace": NAMESPACE}
-    metadata["labels"] = SELECTOR if labels is None else labels
-    if finalizers:
-        metadata["finalizers"] = finalizers
-    client.CoreV1Api(kube).create_namespaced_pod(
-        NAMESPACE,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": metadata,
-            "spec": {"containers": [{"name": "trainer", "image": "podrl-trainer"}]},
-            "status": {
-                "phase": "Running",
-                "podIP": ip,
-                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-            },
-        },
-    )
 
 
 def merge_patch(method: Callable[..., Any], *args: Any) -> None:

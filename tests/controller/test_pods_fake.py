@@ -9,140 +9,17 @@ to one pod's on the same batches), and what the records say (epoch, pods, sample
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import grpc
-import pytest
-
-from podrl.common.processes import free_port
-from podrl.common.service import ServiceProcess
-from podrl.controller.pods.clients import WorkerClients
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
-from podrl.controller.records.run_store import RunStore
-from podrl.controller.service.main import build_loop
-from podrl.controller.service.status import RunState
-from podrl.grader.main import build_spec as build_grader
-from podrl.tasks import build_task_source
-from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
-from tests.controller.fake_workers import FakePod, FakeReplicaGroup
-from tests.controller.test_loop_fake_pod import GROUP, PROMPTS, _config
-from tests.foundation.run_secret import credentials
-
-STEPS = 3
-COMPONENTS = (
-    controller_pb2.COMPONENT_GENERATOR,
-    controller_pb2.COMPONENT_GRADER,
-    controller_pb2.COMPONENT_TRAINER,
+from podrl.v1 import controller_pb2
+from tests.controller.fake_cluster import (
+    STEPS,
+    Cluster,
+    check_every_prompt_once,
+    digest,
 )
-
-
-@pytest.fixture(scope="module")
-def grader_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    config = _config(tmp_path_factory.mktemp("grader"), port)
-    process = ServiceProcess(build_grader(config), config)
-    process.start()
-    yield f"127.0.0.1:{port}"
-    process.shutdown("test finished")
-
-
-class Cluster:
-    """Fake pods registered with a real registry (their grader is the shared real one)."""
-
-    def __init__(self, tmp_path: Path, grader: str, group: FakeReplicaGroup | None) -> None:
-        self.tmp_path = tmp_path
-        self.grader = grader
-        self.group = group
-        self.registry = MemberRegistry(heartbeat_timeout_seconds=3600)
-        self.pods: dict[str, FakePod] = {}
-
-    def add(self, pod_id: str) -> FakePod:
-        pod = FakePod(self.tmp_path / "run" / "checkpoints", pod_id, group=self.group)
-        self.pods[pod_id] = pod
-        for component in COMPONENTS:
-            address = self.grader if component == controller_pb2.COMPONENT_GRADER else pod.address
-            self.registry.register(pod_id, component, address, f"{pod_id}-incarnation")
-        return pod
-
-    def drain(self, pod_id: str) -> None:
-        """As SIGTERM: every process of the pod tells the controller it is draining."""
-        for component in COMPONENTS:
-            self.registry.drain(pod_id, component, f"{pod_id}-incarnation")
-
-    def stop(self) -> None:
-        for pod in self.pods.values():
-            pod.stop()
-
-    def run(
-        self,
-        steps: int = STEPS,
-        on_step: Callable[[int], None] | None = None,
-        stop: threading.Event | None = None,
-        task: dict[str, Any] | None = None,
-        **loop: Any,
-    ) -> dict[str, Any]:
-        """``loop``: more fields of the loop section (mode, max_staleness, ...); ``task``: of
-        the task definition."""
-        run_dir = self.tmp_path / "run"
-        port = int(self.grader.rsplit(":", 1)[1])
-        config = _config(run_dir, port, task=task, steps=steps, **loop)
-        roster = PodRoster(self.registry)
-        state = RunState(config.name, self.registry, 1, config.loop.steps, roster)
-        store = RunStore(run_dir / "controller.sqlite")
-        clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
-        source = build_task_source(config.tasks)
-        stop = stop or threading.Event()
-        loop = build_loop(config, state, store, clients, source, roster, stop, 0.05)
-        if on_step is not None:
-            record = loop.recorder.record
-
-            def recorded(step: int, *args: Any, **kwargs: Any) -> Any:
-                result = record(step, *args, **kwargs)
-                on_step(step)
-                return result
-
-            loop.recorder.record = recorded  # type: ignore[method-assign]
-        try:
-            loop.run()
-            steps_done = store.steps()
-        finally:
-            clients.close()
-            store.close()
-        samples = [
-            json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
-        ]
-        return {"state": state, "steps": steps_done, "samples": samples, "roster": roster}
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, grader_address: str) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path, grader_address, FakeReplicaGroup())
-    yield cluster
-    cluster.stop()
-
-
-def _digest(address: str) -> trainer_pb2.ParametersDigestResponse:
-    with grpc.insecure_channel(address) as channel:
-        return trainer_pb2_grpc.TrainerStub(channel).ParametersDigest(
-            trainer_pb2.ParametersDigestRequest(), timeout=5
-        )
-
-
-def _check_every_prompt_once(samples: list[dict[str, Any]], steps: int) -> None:
-    """Each prompt in exactly one step, with one whole group, from one pod."""
-    groups: dict[str, set[tuple[int, str | None]]] = {}
-    counts: dict[str, int] = {}
-    for row in samples:
-        groups.setdefault(row["prompt_id"], set()).add((row["step"], row["pod"]))
-        counts[row["prompt_id"]] = counts.get(row["prompt_id"], 0) + 1
-    assert sorted(groups) == sorted(f"copy/{i}" for i in range(steps * PROMPTS))
-    assert all(len(where) == 1 for where in groups.values()), groups
-    assert set(counts.values()) == {GROUP}
+from tests.controller.fake_pod_loop import PROMPTS
+from tests.controller.fake_workers import FakePod
 
 
 def test_two_pods_share_each_step_and_end_with_the_parameters_of_one_pod(
@@ -171,9 +48,9 @@ def test_two_pods_share_each_step_and_end_with_the_parameters_of_one_pod(
         assert {pod.trainer.applied[step].pods for pod in pods} == {2}
         # The step's pods by worker id: a trainer refuses a quorum holding any other pod.
         assert {tuple(pod.trainer.applied[step].pod_ids) for pod in pods} == {("pod-0", "pod-1")}
-    digests = {_digest(pod.address).sha256 for pod in pods}
+    digests = {digest(pod.address).sha256 for pod in pods}
     assert len(digests) == 1
-    _check_every_prompt_once(run["samples"], STEPS)
+    check_every_prompt_once(run["samples"], STEPS)
     assert {row["pod"] for row in run["samples"]} == {"pod-0", "pod-1"}
 
     # One pod on the same prompts (the fake generator answers by prompt, so the same batches)
@@ -183,7 +60,7 @@ def test_two_pods_share_each_step_and_end_with_the_parameters_of_one_pod(
     try:
         one = alone.run()
         assert one["state"].phase == "finished", one["state"].error
-        assert _digest(alone.pods["pod-0"].address).sha256 in digests
+        assert digest(alone.pods["pod-0"].address).sha256 in digests
     finally:
         alone.stop()
 
@@ -211,8 +88,8 @@ def test_a_pod_that_registers_mid_run_joins_at_the_next_step_and_heals(
     assert new.generator.applied[0].version == 2 and not new.generator.applied[0].version_only
     assert set(records[3]["generated_by"]) == {"pod-0", "pod-1"}
     assert new.trainer.version == cluster.pods["pod-0"].trainer.version == 4
-    assert _digest(new.address).sha256 == _digest(cluster.pods["pod-0"].address).sha256
-    _check_every_prompt_once(run["samples"], 4)
+    assert digest(new.address).sha256 == digest(cluster.pods["pod-0"].address).sha256
+    check_every_prompt_once(run["samples"], 4)
 
 
 def test_a_pod_killed_mid_train_leaves_and_the_step_is_trained_once_by_the_rest(
@@ -238,8 +115,8 @@ def test_a_pod_killed_mid_train_leaves_and_the_step_is_trained_once_by_the_rest(
     second = [pod.trainer.applied[1] for pod in (pods[0], pods[2])]
     assert {r.pods for r in second} == {2}
     assert sum(len(r.sequences) for r in second) == second[0].global_sequences
-    assert _digest(pods[0].address).sha256 == _digest(pods[2].address).sha256
-    _check_every_prompt_once(run["samples"], STEPS)
+    assert digest(pods[0].address).sha256 == digest(pods[2].address).sha256
+    check_every_prompt_once(run["samples"], STEPS)
     # Its samples of step 2 (generated before it died) were kept and trained by the others.
     assert any(
         row["pod"] == "pod-1" and row["trained"] for row in run["samples"] if row["step"] == 2
@@ -270,7 +147,7 @@ def test_a_pod_drained_mid_generate_keeps_its_samples_and_the_others_finish_its_
     assert len(drained.trainer.applied) == 1
     kept = [r for r in run["samples"] if r["step"] == 2 and r["pod"] == "pod-1"]
     assert kept and all(r["trained"] or r["reward"] is not None for r in kept)
-    _check_every_prompt_once(run["samples"], STEPS)
+    check_every_prompt_once(run["samples"], STEPS)
     status = {p.id: p.state for p in run["roster"].status()}
     assert status == {"pod-0": "training", "pod-1": "draining"}
 
@@ -293,7 +170,7 @@ def test_a_pod_killed_mid_generate_has_its_prompts_generated_by_the_others(
     records = {s.step: s.metrics for s in run["steps"]}
     assert records[2]["generated_by"] == {"pod-1": PROMPTS}
     assert records[2]["pods"] == ["pod-1"]
-    _check_every_prompt_once(run["samples"], STEPS)
+    check_every_prompt_once(run["samples"], STEPS)
     assert pods[1].trainer.version == STEPS
 
 
@@ -316,5 +193,5 @@ def test_a_trainer_whose_generator_left_is_still_sent_every_step(cluster: Cluste
     assert records[3]["pods"] == ["pod-0", "pod-1"]
     assert pods[1].trainer.version == pods[0].trainer.version == STEPS
     assert {r.pods for r in pods[0].trainer.applied} == {2}
-    assert _digest(pods[0].address).sha256 == _digest(pods[1].address).sha256
-    _check_every_prompt_once(run["samples"], STEPS)
+    assert digest(pods[0].address).sha256 == digest(pods[1].address).sha256
+    check_every_prompt_once(run["samples"], STEPS)

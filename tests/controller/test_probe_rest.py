@@ -10,11 +10,7 @@ import pytest
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.scaling import LocalScaler
 from podrl.controller.service.status import RunState
-from tests.controller.test_scaling_rest import (  # noqa: F401 (serve is a fixture)
-    Serve,
-    operator_headers,
-    serve,
-)
+from tests.controller.rest_scaling import Serve, operator_headers
 
 REQUESTS = [
     ("GET", "/v1/nope", 404),
@@ -29,7 +25,7 @@ REQUESTS = [
 
 @pytest.mark.parametrize(("method", "path", "code"), REQUESTS)
 def test_unknown_paths_and_wrong_methods_are_404_and_405(
-    serve: Serve,  # noqa: F811
+    serve: Serve,
     method: str,
     path: str,
     code: int,
@@ -42,7 +38,7 @@ def test_unknown_paths_and_wrong_methods_are_404_and_405(
 
 
 @pytest.mark.parametrize("body", [b"{", b"not json", b'{"replicas": 2', b"\xff\xfe"])
-def test_malformed_json_is_422_and_changes_nothing(serve: Serve, body: bytes) -> None:  # noqa: F811
+def test_malformed_json_is_422_and_changes_nothing(serve: Serve, body: bytes) -> None:
     scaler = LocalScaler(1)
     url = serve(RunState("probe", MemberRegistry(60), 1), scaler)
     headers = {**operator_headers(), "Content-Type": "application/json"}

@@ -27,14 +27,8 @@ from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.scaling import LocalScaler
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
-from tests.controller.test_local_pods import StandInCluster
-from tests.controller.test_scaling_rest import (  # noqa: F401 (serve is a fixture)
-    MAX,
-    Serve,
-    operator_headers,
-    serve,
-    suite_secret,
-)
+from tests.controller.rest_scaling import MAX, Serve, operator_headers, suite_secret
+from tests.controller.stand_in_cluster import StandInCluster
 
 REPLICAS = "/v1/workers/replicas"
 
@@ -52,7 +46,7 @@ def _desired(url: str) -> int:
 
 
 @pytest.fixture
-def scaled(serve: Serve) -> tuple[str, LocalScaler]:  # noqa: F811
+def scaled(serve: Serve) -> tuple[str, LocalScaler]:
     scaler = LocalScaler(1)
     return serve(RunState("auth", MemberRegistry(60), 1), scaler), scaler
 
@@ -201,14 +195,14 @@ def test_an_operator_or_controller_token_scales(scaled: tuple[str, LocalScaler],
     assert scaler.desired_replicas() == 3 and _desired(url) == 3
 
 
-def test_with_auth_disabled_a_put_without_a_token_scales(serve: Serve) -> None:  # noqa: F811
+def test_with_auth_disabled_a_put_without_a_token_scales(serve: Serve) -> None:
     scaler = LocalScaler(1)
     url = serve(RunState("auth", MemberRegistry(60), 1), scaler, secret=None, auth_disabled=True)
     assert _put(url).status_code == 202
     assert scaler.desired_replicas() == 3
 
 
-def test_an_app_built_without_the_secret_accepts_no_change(serve: Serve) -> None:  # noqa: F811
+def test_an_app_built_without_the_secret_accepts_no_change(serve: Serve) -> None:
     scaler = LocalScaler(1)  # fails closed: no secret and auth not said to be off
     url = serve(RunState("auth", MemberRegistry(60), 1), scaler, secret=None)
     assert _put(url, operator_headers()).status_code == 401
@@ -216,7 +210,7 @@ def test_an_app_built_without_the_secret_accepts_no_change(serve: Serve) -> None
 
 
 def test_every_route_but_reads_needs_a_token_and_every_read_is_open(
-    serve: Serve,  # noqa: F811
+    serve: Serve,
 ) -> None:
     """The claim is about routes, not one path: a route added later that changes state and
     forgets the guard fails here."""

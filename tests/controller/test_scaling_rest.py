@@ -7,29 +7,22 @@ operator token (who may scale: tests/controller/test_rest_auth.py)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.main import main as podrl
-from podrl.common.auth import OPERATOR, RunSecret, load_run_secret
-from podrl.common.processes import free_port
-from podrl.config.auth import AuthConfig
 from podrl.controller.pods.kube_watch import KubeWatch
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
-from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler, ReplicaScaler
-from podrl.controller.service.rest import build_rest_app
+from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler
 from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2
 from tests.controller.kube_api import ApiServer
-from tests.controller.test_kube_watch import (
+from tests.controller.kube_objects import (
     NAMESPACE,
     STATEFULSET,
     WAIT_SECONDS,
@@ -37,58 +30,12 @@ from tests.controller.test_kube_watch import (
     create_statefulset,
     watch_config,
 )
-
-MAX = 4
-
-
-def suite_secret() -> RunSecret:
-    """The run secret the suite sets for every service (tests/conftest.py)."""
-    secret = load_run_secret(AuthConfig())
-    assert secret is not None
-    return secret
-
-
-def operator_headers(secret: RunSecret | None = None) -> dict[str, str]:
-    """What ``podrl scale`` sends: an operator token signed with the run secret."""
-    token = (secret or suite_secret()).rest_token(OPERATOR, "test-operator")
-    return {"Authorization": f"Bearer {token}"}
+from tests.controller.rest_scaling import MAX, Serve, operator_headers
 
 
 def _register_pod(registry: MemberRegistry, pod: str) -> None:
     for component in (1, 2, 3):
         registry.register(pod, component, f"10.0.0.{len(pod)}:{5000 + component}", f"{pod}-1")
-
-
-Serve = Callable[..., str]
-
-
-@pytest.fixture
-def serve() -> Iterator[Serve]:
-    """The real REST app on a free port, holding the suite's run secret unless ``app_options``
-    say otherwise (``secret=``, ``auth_disabled=``); its base URL."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def start(state: RunState, scaler: ReplicaScaler | None, **app_options: Any) -> str:
-        port = free_port()
-        app_options.setdefault("secret", suite_secret())
-        app = build_rest_app(state, None, scaler, MAX, **app_options)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                httpx.get(f"{url}/healthz", timeout=1)
-                return url
-            except httpx.HTTPError:
-                threading.Event().wait(0.05)
-        raise AssertionError("the REST app did not start")
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def _state(registry: MemberRegistry, roster: PodRoster) -> RunState:
