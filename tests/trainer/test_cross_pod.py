@@ -2,14 +2,18 @@
 services of one gloo rank each as pods, torchft quorums on loopback, a single-pod trainer
 (no Lighthouse) as the reference.
 
-The GRPO tests share their processes and run in file order, one step each:
+The GRPO pods are shared by the stages of one scenario test, run in this order:
 
 1. two pods train a batch split between them (and then a batch one pod holds alone, the other
    an empty share) to the loss and parameters of one pod on the whole batch;
 2. a pod SIGKILLed in the middle of a step: the other answers ABORTED with its parameters
    unchanged, then trains the whole batch alone to the single-pod result;
 3. a pod started after those steps heals from its peer in its first step: same digest, same
-   version.
+   version;
+4. with that pod lost before the next step, pod a's Train waiting for its share is cancelled
+   and steps nothing.
+
+Between 1 and 2, a batch whose totals contradict its shares is refused at once.
 
 The DAPO test and the test of pods of 2 FSDP2 ranks have processes (and a Lighthouse) of their
 own; the DAPO one also has a pod fail after the exchange (its peer applies the step, it heals
@@ -23,11 +27,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.trainer.pods import (
+    Lighthouse,
     Pod,
     fault_plan,
     max_abs_diff,
@@ -123,8 +129,8 @@ def _same_metrics(a, b) -> None:
     assert a.metrics.tokens == b.metrics.tokens
 
 
-def test_two_pods_train_a_split_batch_as_one_pod(grpo):
-    everyone, tmp = grpo
+def two_pods_train_a_split_batch_as_one_pod(everyone: dict[str, Pod], tmp: Path) -> None:
+    """From version 0 to 2: a batch split between two pods, then one held by pod a alone."""
     reference, a, b = everyone["reference"], everyone["pod-a"], everyone["pod-b"]
 
     # A trainer without a Lighthouse refuses a share: it would step on a part of the batch.
@@ -181,11 +187,10 @@ def test_two_pods_train_a_split_batch_as_one_pod(grpo):
     )
 
 
-def test_a_batch_whose_totals_contradict_its_shares_is_refused_at_once(grpo):
+def a_batch_whose_totals_contradict_its_shares_is_refused_at_once(everyone: dict[str, Pod]) -> None:
     """One pod whose share is not the totals it names (pods 1), and two pods whose shares do
     not make up the totals once both are in the quorum: INVALID_ARGUMENT naming the field at
     once, instead of forming the quorum again until the deadline; nothing stepped."""
-    everyone, _ = grpo
     a, b = everyone["pod-a"], everyone["pod-b"]
     before = a.digest()
     batch = make_request(16, sequences=SEQUENCES, version=before.policy_version)
@@ -212,11 +217,11 @@ def test_a_batch_whose_totals_contradict_its_shares_is_refused_at_once(grpo):
     assert a.digest() == b.digest() == before
 
 
-def test_a_pod_killed_mid_step_leaves_its_peer_unchanged(grpo):
-    everyone, tmp = grpo
+def a_pod_killed_mid_step_leaves_its_peer_unchanged(everyone: dict[str, Pod], tmp: Path) -> None:
+    """From version 2 (where pod b's fault plan stalls it): b killed, a alone to version 3."""
     reference, a, b = everyone["reference"], everyone["pod-a"], everyone["pod-b"]
     before = a.digest()
-    assert before.policy_version == 2  # after the previous test
+    assert before.policy_version == 2  # pod b's fault plan stalls the step from version 2
 
     batch = make_request(13, sequences=SEQUENCES, version=2)
     with ThreadPoolExecutor(2) as pool:
@@ -245,10 +250,12 @@ def test_a_pod_killed_mid_step_leaves_its_peer_unchanged(grpo):
     )
 
 
-def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
-    everyone, tmp = grpo
+def a_pod_that_joins_heals_from_its_peer(
+    everyone: dict[str, Pod], tmp: Path, tiny_model: Path, lighthouse: Lighthouse
+) -> None:
+    """Pod c started at version 0 while pod a is at 3: it heals in its first step, to 4."""
     reference, a = everyone["reference"], everyone["pod-a"]
-    assert a.info().policy_version == 3  # after the previous tests
+    assert a.info().policy_version == 3  # the kill stage's step
     c = start_pods(tiny_model, tmp, ["pod-c"], lighthouse=lighthouse.address, **TRAINER)["pod-c"]
     everyone["pod-c"] = c  # the fixture stops it
     assert c.info().policy_version == 0
@@ -277,11 +284,14 @@ def test_a_pod_that_joins_heals_from_its_peer(grpo, tiny_model, lighthouse):
     )
 
 
-def test_a_train_cancelled_while_its_quorum_waits_for_a_lost_pod_steps_nothing(grpo):
-    everyone, _ = grpo
+def a_train_cancelled_while_its_quorum_waits_for_a_lost_pod_steps_nothing(
+    everyone: dict[str, Pod],
+) -> None:
+    """Pod c lost before the step from version 4: pod a's waiting Train, once cancelled, steps
+    nothing."""
     a, c = everyone["pod-a"], everyone["pod-c"]
     before = a.digest()
-    assert before.policy_version == 4  # after the previous tests
+    assert before.policy_version == 4  # the join stage's step
     c.kill()  # lost before the step: the controller's call to it fails, pod a's is cancelled
     deadline = time.monotonic() + 60
     waits = a.log().count("forming the quorum again")
@@ -302,6 +312,17 @@ def test_a_train_cancelled_while_its_quorum_waits_for_a_lost_pod_steps_nothing(g
     # The trainer is free for the step re-split over the pods left (here pod a, whole).
     reply = a.stub.Train(share(batch, range(SEQUENCES), "5/a-again", pods=1), timeout=60)
     assert reply.policy_version == 5
+
+
+def test_grpo_pods_split_refuse_lose_heal_and_cancel(grpo, tiny_model, lighthouse):
+    """One scenario on the shared pods (their processes are expensive); each stage starts from
+    the versions and pods the stage before left, so they run here, in this order."""
+    everyone, tmp = grpo
+    two_pods_train_a_split_batch_as_one_pod(everyone, tmp)
+    a_batch_whose_totals_contradict_its_shares_is_refused_at_once(everyone)
+    a_pod_killed_mid_step_leaves_its_peer_unchanged(everyone, tmp)
+    a_pod_that_joins_heals_from_its_peer(everyone, tmp, tiny_model, lighthouse)
+    a_train_cancelled_while_its_quorum_waits_for_a_lost_pod_steps_nothing(everyone)
 
 
 @pytest.fixture
