@@ -60,8 +60,8 @@ WORKER_POD = f"{RELEASE}-worker-0"
 CONTROLLER_SERVICE = f"{RELEASE}-controller"
 READY_TIMEOUT = 600
 RUN_TIMEOUT = 1200
-# The trainer's export folder: run_dir (values.yaml) / exports.
-EXPORTS = "/var/lib/podrl/runs/podrl/exports"
+# The trainer's export folder: run_dir (values.yaml) / export (loop.export_at_end).
+EXPORTS = "/var/lib/podrl/runs/podrl/export"
 
 
 def _images(objects: list[dict[str, Any]]) -> list[str]:
