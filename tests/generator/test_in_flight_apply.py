@@ -100,10 +100,10 @@ def stale_manifest(policy: Policy) -> weights_pb2.WeightManifest:
 class RunningGenerate:
     """One long Generate on another thread, started and seen running in the engine."""
 
-    def __init__(self, generator: GeneratorProcess, seed: int) -> None:
+    def __init__(self, generator: GeneratorProcess, seed: int, n: int = LONG["n"]) -> None:
         self.reply: generator_pb2.GenerateResponse | None = None
         self.error: grpc.RpcError | None = None
-        self._thread = threading.Thread(target=self._run, args=(generator, seed))
+        self._thread = threading.Thread(target=self._run, args=(generator, seed, n))
         self._thread.start()
         hang_guard = time.monotonic() + 60
         while int(info(generator).info.details["unfinished_requests"]) == 0:
@@ -111,10 +111,10 @@ class RunningGenerate:
             time.sleep(0.02)
         time.sleep(0.3)  # some tokens sampled by the version before
 
-    def _run(self, generator: GeneratorProcess, seed: int) -> None:
+    def _run(self, generator: GeneratorProcess, seed: int, n: int) -> None:
         started = time.monotonic()
         try:
-            self.reply = generate(generator, PROMPTS, seed=seed, **LONG)
+            self.reply = generate(generator, PROMPTS, seed=seed, **{**LONG, "n": n})
         except grpc.RpcError as err:
             self.error = err
         print(f"Generate (seed {seed}) ended after {time.monotonic() - started:.2f} s")
@@ -240,7 +240,9 @@ def test_an_in_flight_apply_that_fails_part_way_fails_the_generate_it_interrupte
     apply(generator, policy, V_FAILS - 1, in_flight=False, force_full=True)
     policy.perturb(0.3)
     manifest = policy.manifest(V_FAILS)
-    running = RunningGenerate(generator, seed=15)
+    # Four times the usual samples: on two loaded cores the usual Generate could end before
+    # the apply landed (nothing to interrupt); this one outlasts it by far, and is cut anyway.
+    running = RunningGenerate(generator, seed=15, n=4 * LONG["n"])
     assert running.running
     with pytest.raises(grpc.RpcError) as err:
         apply(generator, policy, V_FAILS, in_flight=True, manifest=manifest)
