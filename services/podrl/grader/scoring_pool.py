@@ -1,6 +1,8 @@
 """Reward functions run in a pool of worker processes (pebble), one item per task, so one item
 that raises, hangs or kills its process fails alone: it gets an error flag and the fallback
-reward, the rest of the batch is scored, and pebble replaces the dead or killed worker.
+reward, the rest of the batch is scored, and pebble replaces the dead or killed worker. The pool
+itself (:class:`WorkerPool`: start, warm-up, a job with a timeout, its outcome, stop) knows
+nothing of rewards; the environment service runs its episode steps in one too.
 
 Plans made only of the cheap built-ins (:data:`INLINE_REWARDS`: string comparisons linear in
 the completion, no imports, no regular expression taken from the config) cannot hang or kill a
@@ -11,17 +13,19 @@ a worker process per item cost more than the rewards themselves. Their results a
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import math
 import multiprocessing
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Any
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
@@ -71,18 +75,42 @@ def score_inline(plan: TaskRewardPlan, item: ItemInput) -> ItemResult:
     return ItemResult(output.reward, output.components, seconds=output.seconds)
 
 
-class ScoringPool:
-    """``workers`` processes; each item may run ``item_timeout`` seconds before its worker is
-    killed. Thread-safe: concurrent batches share the workers."""
+class JobFailure(enum.Enum):
+    """How a job of a :class:`WorkerPool` failed."""
+
+    EXCEPTION = "exception"
+    """The job's function raised (``JobOutcome.error`` holds it)."""
+    TIMEOUT = "timeout"
+    """It ran past its timeout; its worker was killed and replaced."""
+    WORKER_DIED = "worker_died"
+    """Its worker process died (``JobOutcome.error``, a ``ProcessExpired``, has the exit code)."""
+    CANCELLED = "cancelled"
+    """The caller went away; a running job's worker was killed."""
+    OVERDUE = "overdue"
+    """No result by the caller's deadline (queued behind other jobs, or stuck)."""
+
+
+@dataclass
+class JobOutcome:
+    """A job's return value, or how it failed."""
+
+    value: Any = None
+    failure: JobFailure | None = None
+    error: BaseException | None = None
+
+
+class WorkerPool:
+    """``workers`` processes that run jobs isolated from the service: a job that raises, hangs
+    or kills its process fails alone, and pebble replaces the worker. Thread-safe. The grader
+    scores in it (:class:`ScoringPool`), the environment service runs episode steps in it."""
 
     def __init__(
         self,
         workers: int,
-        item_timeout: float,
         start_method: str = "forkserver",
         preload: Sequence[str] = (),
     ) -> None:
-        self.workers, self.item_timeout = workers, item_timeout
+        self.workers = workers
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # The fork server imports these once; forked workers start with them loaded, so a
@@ -113,7 +141,66 @@ class ScoringPool:
         done, _ = wait_futures(futures, timeout=timeout)
         for future in done:
             if future.exception() is not None:
-                log.warning("warming up a scoring worker failed: %s", future.exception())
+                log.warning("warming up a pool worker failed: %s", future.exception())
+
+    def submit(
+        self, function: Callable[..., Any], args: tuple[Any, ...], timeout: float
+    ) -> ProcessFuture:
+        """Run ``function(*args)`` in a worker, killed ``timeout`` seconds after it starts
+        there (pebble's timeout does not count the time queued for a free worker)."""
+        return self._active_pool().schedule(function, args=args, timeout=timeout)
+
+    def wait(
+        self,
+        future: ProcessFuture,
+        deadline: float | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> JobOutcome:
+        """The outcome of a job from :meth:`submit`; never raises for the job's own failure.
+        ``deadline`` is on ``time.monotonic``'s clock; ``cancelled`` set kills a running job."""
+        while not future.done():
+            if cancelled is not None and cancelled.is_set():
+                future.cancel()  # pebble kills the worker of a running job
+            elif deadline is not None and time.monotonic() > deadline:
+                future.cancel()
+                return JobOutcome(failure=JobFailure.OVERDUE)
+            wait_futures([future], timeout=0.2)
+        try:
+            return JobOutcome(value=future.result(timeout=0))
+        except FutureTimeout as err:
+            if getattr(err, "traceback", None) is not None:  # raised inside the job's function
+                return JobOutcome(failure=JobFailure.EXCEPTION, error=err)
+            return JobOutcome(failure=JobFailure.TIMEOUT)
+        except ProcessExpired as err:
+            return JobOutcome(failure=JobFailure.WORKER_DIED, error=err)
+        except CancelledError:
+            return JobOutcome(failure=JobFailure.CANCELLED)
+        except Exception as err:  # the job's function raised
+            return JobOutcome(failure=JobFailure.EXCEPTION, error=err)
+
+    def close(self) -> None:
+        """Stop the workers (running jobs are abandoned)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join(timeout=10)
+
+
+class ScoringPool(WorkerPool):
+    """Scores items in a :class:`WorkerPool`; each item may run ``item_timeout`` seconds
+    before its worker is killed. Concurrent batches share the workers."""
+
+    def __init__(
+        self,
+        workers: int,
+        item_timeout: float,
+        start_method: str = "forkserver",
+        preload: Sequence[str] = (),
+    ) -> None:
+        super().__init__(workers, start_method, preload)
+        self.item_timeout = item_timeout
 
     def score(
         self,
@@ -121,11 +208,9 @@ class ScoringPool:
         cancelled: threading.Event | None = None,
     ) -> list[ItemResult]:
         """One result per job, in order; never raises for a job's own failure."""
-        pool = self._active_pool()
         started = time.perf_counter()
         futures = [
-            pool.schedule(score_with_plan, args=(plan, item), timeout=self.item_timeout)
-            for plan, item in jobs
+            self.submit(score_with_plan, (plan, item), self.item_timeout) for plan, item in jobs
         ]
         # pebble's timeout runs from when an item starts; queued items wait for a free worker.
         bound = self.item_timeout * (math.ceil(len(jobs) / self.workers) + 1) + 30.0
@@ -151,50 +236,36 @@ class ScoringPool:
                 seconds=time.perf_counter() - started,
             )
 
-        deadline = time.monotonic() + remaining
-        while not future.done():
-            if cancelled is not None and cancelled.is_set():
-                future.cancel()  # pebble kills the worker of a running item
-            elif time.monotonic() > deadline:
-                future.cancel()
+        outcome = self.wait(future, time.monotonic() + remaining, cancelled)
+        err = outcome.error
+        match outcome.failure:
+            case None:
+                output = outcome.value
+                return ItemResult(output.reward, output.components, seconds=output.seconds)
+            case JobFailure.OVERDUE:
                 return failed(grader_pb2.SCORE_ERROR_TIMEOUT, "no result within the batch bound")
-            wait_futures([future], timeout=0.2)
-        try:
-            output = future.result(timeout=0)
-        except FutureTimeout as err:
-            if getattr(err, "traceback", None) is not None:  # raised inside the reward function
-                return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
-            return failed(
-                grader_pb2.SCORE_ERROR_TIMEOUT,
-                f"reward functions of task {plan.task!r} ran past {self.item_timeout:g}s; the "
-                "worker was killed and replaced",
-            )
-        except ProcessExpired as err:
-            return failed(
-                grader_pb2.SCORE_ERROR_WORKER_DIED,
-                f"the worker process died (exit code {err.exitcode}) while scoring task "
-                f"{plan.task!r}; it was replaced",
-            )
-        except CancelledError:
-            return failed(grader_pb2.SCORE_ERROR_TIMEOUT, "cancelled: the caller went away")
-        except Exception as err:  # the reward function raised
-            log.warning(
-                "reward of task %s raised %s\n%s",
-                plan.task,
-                _describe(err),
-                getattr(err, "traceback", ""),
-            )
-            return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
-        return ItemResult(output.reward, output.components, seconds=output.seconds)
-
-    def close(self) -> None:
-        """Stop the workers (running items are abandoned)."""
-        with self._lock:
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.stop()
-            pool.join(timeout=10)
+            case JobFailure.TIMEOUT:
+                return failed(
+                    grader_pb2.SCORE_ERROR_TIMEOUT,
+                    f"reward functions of task {plan.task!r} ran past {self.item_timeout:g}s; "
+                    "the worker was killed and replaced",
+                )
+            case JobFailure.WORKER_DIED:
+                return failed(
+                    grader_pb2.SCORE_ERROR_WORKER_DIED,
+                    f"the worker process died (exit code {getattr(err, 'exitcode', None)}) "
+                    f"while scoring task {plan.task!r}; it was replaced",
+                )
+            case JobFailure.CANCELLED:
+                return failed(grader_pb2.SCORE_ERROR_TIMEOUT, "cancelled: the caller went away")
+        assert err is not None  # JobFailure.EXCEPTION: the reward function raised
+        log.warning(
+            "reward of task %s raised %s\n%s",
+            plan.task,
+            _describe(err),
+            getattr(err, "traceback", ""),
+        )
+        return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
 
 
 def _import_modules(names: Sequence[str]) -> None:
