@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from podrl.controller.step.batch_ids import (
+from podrl.controller.step.batch import (
     StepBatchId,
     attempt_of,
     names_step_batch,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from podrl.controller.records.run_store import PendingStep, StepRecord
-from podrl.controller.step.batch_ids import names_step_batch
+from podrl.controller.step.batch import names_step_batch
 from podrl.controller.step_errors import RunFailedError
 from podrl.v1 import trainer_pb2
 

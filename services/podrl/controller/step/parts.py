@@ -27,13 +27,14 @@ from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import (
+    StepBatchId,
     StepSamples,
     TrainBatch,
     build_batch,
+    process_prefix,
     split_batch,
     train_request,
 )
-from podrl.controller.step.batch_ids import StepBatchId, process_prefix
 from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.phases import WorkerPhases
 from podrl.controller.step.train_phase import TrainOutcome, TrainPhase
