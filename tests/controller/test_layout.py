@@ -43,11 +43,21 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _names_in_class(path: Path, class_name: str) -> set[str]:
+    """Every name and attribute ``class_name``'s body in ``path`` uses."""
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    names = {n.id for n in ast.walk(cls) if isinstance(n, ast.Name)}
+    return names | {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)}
+
+
 def test_the_loop_knows_no_mode_and_the_modes_do_not_know_the_loop() -> None:
-    drivers = {"podrl.controller.step.sync_steps", "podrl.controller.step.async_steps"}
-    assert not _imports(CONTROLLER / "step" / "loop.py") & drivers
-    for driver in ("sync_steps.py", "async_steps.py", "parts.py"):
-        assert "podrl.controller.step.loop" not in _imports(CONTROLLER / "step" / driver)
+    loop = CONTROLLER / "step" / "loop.py"
+    assert "podrl.controller.step.async_steps" not in _imports(loop)
+    assert not _names_in_class(loop, "GrpoLoop") & {"SyncSteps", "AsyncSteps"}
+    async_steps = CONTROLLER / "step" / "async_steps.py"
+    for path, driver in ((loop, "SyncSteps"), (async_steps, "AsyncSteps")):
+        assert "GrpoLoop" not in _names_in_class(path, driver)
 
 
 def test_the_controllers_entry_points_resolve() -> None:

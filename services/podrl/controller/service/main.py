@@ -29,10 +29,8 @@ from podrl.controller.service.servicer import ControllerServicer
 from podrl.controller.service.status import RunState
 from podrl.controller.step.async_steps import AsyncSteps
 from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.loop import GrpoLoop
-from podrl.controller.step.parts import StepDriver, StepParts
+from podrl.controller.step.loop import GrpoLoop, StepDriver, StepParts, SyncSteps
 from podrl.controller.step.phases import WorkerPhases
-from podrl.controller.step.sync_steps import SyncSteps
 from podrl.controller.step.train_phase import TrainPhase
 from podrl.controller.step.weight_sync import WeightSync
 from podrl.tasks import TaskSource, build_task_source

@@ -34,14 +34,14 @@ from podrl.controller.step.batch import (
     split_stale,
     with_stale_figures,
 )
-from podrl.controller.step.parts import StepParts
+from podrl.controller.step.loop import StepParts
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 
 log = logging.getLogger(__name__)
 
 
 class AsyncSteps:
-    """The :class:`~podrl.controller.step.parts.StepDriver` of asynchronous mode."""
+    """The :class:`~podrl.controller.step.loop.StepDriver` of asynchronous mode."""
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
