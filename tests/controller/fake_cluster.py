@@ -12,12 +12,12 @@ from typing import Any
 
 import grpc
 
-from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
+from podrl.controller.step.pod_calls import WorkerClients
 from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
 from tests.controller.fake_pod_loop import GROUP, PROMPTS, loop_config

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from podrl.controller.step.phases import settle
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import WeightSync, settle
 
 
 def _calls(finished: set[str]) -> Callable[[str], str]:

@@ -14,7 +14,7 @@ from podrl.controller.records.resume import RecoveredStep
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import StepSamples, TrainBatch
-from podrl.controller.step.train_phase import TrainOutcome
+from podrl.controller.step.pod_calls import TrainOutcome
 from podrl.v1 import trainer_pb2
 
 # What a trainer answers: with kl_coef 0 its kl is the proto default, 0.0.

@@ -6,12 +6,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodPhase, PodRoster
 from podrl.controller.service.status import RunState
 from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import WeightSync, WorkerClients
 
 
 def _roster(*pods: str) -> PodRoster:

@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.clients import WorkerClients
-from podrl.controller.step.train_phase import (
+from podrl.controller.step.pod_calls import (
     TrainOutcome,
     TrainPhase,
     Verdict,
+    WorkerClients,
     judge_train_failure,
 )
 from podrl.controller.step_errors import RunFailedError, StepFailedError

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.clients import WorkerClients
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import WeightSync, WorkerClients
 from tests.controller.fake_workers import FakePod
 
 

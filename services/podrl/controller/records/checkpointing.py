@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 
 from podrl.config import RunConfig
-from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.roster import PodRoster
 from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
 from podrl.controller.records.recorder import CHECKPOINT_ERROR_KEY, StepRecorder
@@ -28,7 +27,7 @@ from podrl.controller.records.resume import (
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
 from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.train_phase import TrainPhase
+from podrl.controller.step.pod_calls import TrainPhase, WorkerClients
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.tasks import TaskSource
 from podrl.v1 import trainer_pb2

@@ -25,7 +25,7 @@ from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.records.tracking import Tracker
 from podrl.controller.service.status import MAX_WARNINGS, RunState
 from podrl.controller.step.batch import StepSamples, TrainBatch, is_valid, last_version, sample_id
-from podrl.controller.step.train_phase import TrainOutcome
+from podrl.controller.step.pod_calls import TrainOutcome
 from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)

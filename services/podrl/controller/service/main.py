@@ -14,7 +14,6 @@ import uvicorn
 from podrl.common.auth import CONTROLLER, CallerCredentials, load_run_secret
 from podrl.common.service import ServiceSpec, port_in_use_error, serve
 from podrl.config import RunConfig
-from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.kube_watch import KubeWatch, KubeWatchConfig
 from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.roster import PodRoster
@@ -30,9 +29,7 @@ from podrl.controller.service.status import RunState
 from podrl.controller.step.async_steps import AsyncSteps
 from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.loop import GrpoLoop, StepDriver, StepParts, SyncSteps
-from podrl.controller.step.phases import WorkerPhases
-from podrl.controller.step.train_phase import TrainPhase
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import TrainPhase, WeightSync, WorkerClients, WorkerPhases
 from podrl.tasks import TaskSource, build_task_source
 from podrl.tasks.prompt_bounds import check_prompts_fit
 from podrl.v1 import controller_pb2_grpc

@@ -21,12 +21,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from podrl.controller.pods.clients import WorkerClients
 from podrl.controller.pods.roster import Pod, PodRoster, pod_order
 from podrl.controller.service.status import RunState
-from podrl.controller.step.phases import settle
-from podrl.controller.step.train_phase import trainer_info
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import WeightSync, WorkerClients, settle, trainer_info
 from podrl.controller.step_errors import RunFailedError, StepFailedError
 from podrl.v1 import controller_pb2, trainer_pb2
 

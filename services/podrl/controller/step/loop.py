@@ -3,9 +3,9 @@
 One step (docs/controller.md), over the pods the roster admits at its start (pods/roster.py):
 
     step boundary: admit pods, align their generators (boundary) → draw prompts →
-    generate and score, each pod its share (phases) → batch over the whole step (batch) →
-    Train on every pod at once, each its share (train_phase) → samples.jsonl → weight sync
-    inside each pod (weight_sync) → step record (recorder)
+    generate and score, each pod its share (pod_calls) → batch over the whole step (batch) →
+    Train on every pod at once, each its share (pod_calls) → samples.jsonl → weight sync
+    inside each pod (pod_calls) → step record (recorder)
 
 The loop runs the steps through a step driver (``StepDriver``): ``SyncSteps`` (here) runs
 one step after the other; in async mode (``loop.mode: async``) async_steps.py takes each step's
@@ -17,17 +17,17 @@ loop knows no mode (it names no driver) and neither driver knows the loop; every
 in one function, ``service/main.py``'s ``build_loop``.
 
 With ``loop.generator_memory: sleep_during_train`` the generators sleep just before Train and
-wake just before the weight sync (weight_sync: sleep_pods, wake_pods; align wakes any left
+wake just before the weight sync (pod_calls: sleep_pods, wake_pods; align wakes any left
 asleep by a failed attempt).
 
 Failure rules:
 - a pod lost or drained mid-step leaves the roster; what it returned is kept and the rest of
-  its share is done by the other pods in the same step (phases, train_phase);
+  its share is done by the other pods in the same step (pod_calls);
 - generate / score fail otherwise, too many score errors, or Train answered "not applied": the
   attempt is thrown away whole and the step is retried from the same data position (the same
   prompts), up to ``loop.max_step_attempts``; then the run fails.
 - Train's outcome unknown (lost reply, timeout): the same requests are re-sent, never a new
-  batch (train_phase); a step is never applied twice.
+  batch (pod_calls); a step is never applied twice.
 - sync fails: the trainers already hold the new version, so only the sync is retried.
 """
 
@@ -65,9 +65,7 @@ from podrl.controller.step.batch import (
     train_request,
 )
 from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.phases import WorkerPhases
-from podrl.controller.step.train_phase import TrainOutcome, TrainPhase
-from podrl.controller.step.weight_sync import WeightSync
+from podrl.controller.step.pod_calls import TrainOutcome, TrainPhase, WeightSync, WorkerPhases
 from podrl.controller.step_errors import (
     RunFailedError,
     StepFailedError,
