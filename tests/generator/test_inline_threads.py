@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from podrl.generator.inline_engine import serve_with_one_intra_op_thread
+from podrl.generator.engine_runtime import serve_with_one_intra_op_thread
 
 
 def test_one_intra_op_thread_unless_omp_num_threads_is_set(

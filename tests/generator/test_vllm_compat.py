@@ -229,7 +229,7 @@ def test_no_other_generator_module_calls_those_internals() -> None:
     hands on its ``LLMEngine``'s output processor as ``AsyncLLM``'s (vllm_compat reads both),
     and the plugins that replace a vLLM function (cpu_linear, vllm_plugin) look it up
     themselves (pinned above too)."""
-    allowed = {("inline_engine.py", "output_processor")}
+    allowed = {("engine_runtime.py", "output_processor")}
     offenders = []
     for path in sorted((ROOT / "services/podrl/generator").glob("*.py")):
         if path.name == "vllm_compat.py":

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.engine_runtime import EngineLoop
 from podrl.generator.in_flight import UNSUPPORTED
 from podrl.generator.servicer import APPLY_FAILURE_STATUS
 from podrl.generator.weight_applier import WeightApplier, WeightApplyError

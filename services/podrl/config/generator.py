@@ -73,7 +73,7 @@ class GeneratorConfig(ServiceSection):
         description="Where vLLM's engine core (scheduler and model runner) runs. "
         "separate_process: vLLM's AsyncLLM, the engine core in a process of its own. "
         "in_process: vLLM's LLMEngine without multiprocessing, stepped on the generator's "
-        "engine thread (podrl.generator.inline_engine); one process, one core busy. auto: "
+        "engine thread (podrl.generator.engine_runtime); one process, one core busy. auto: "
         "in_process on CPU (a third of the CPU time per Generate there, docs/generator.md), "
         "separate_process elsewhere.",
     )

@@ -33,7 +33,7 @@ from typing import Any
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import engine_processes, vllm_compat
 from podrl.generator.engine_build import build_engine, engine_core_placement
-from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.engine_runtime import EngineLoop
 from podrl.generator.errors import GeneratorUnavailableError
 from podrl.generator.generation import GenerateResult, Generation, SamplingRequest
 from podrl.generator.in_flight import UNSUPPORTED, in_flight_apply_kind

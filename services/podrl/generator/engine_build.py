@@ -14,7 +14,7 @@ from typing import Any
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import cpu_linear
 from podrl.generator.cpu_linear import CPU_LINEAR_ENV
-from podrl.generator.inline_engine import InlineEngine
+from podrl.generator.engine_runtime import InlineEngine
 from podrl.generator.vllm_plugin import IDLE_SPIN_ENV
 
 WORKER_EXTENSION = "podrl.generator.worker_extension.PodrlWorkerExtension"

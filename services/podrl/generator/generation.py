@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator.deadlines import deadline_after, seconds_left
-from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.engine_runtime import EngineLoop, deadline_after, seconds_left
 from podrl.generator.errors import InvalidRequestError
 from podrl.generator.in_flight import GenerateSpan
 from podrl.generator.rw_lock import LockTimeoutError

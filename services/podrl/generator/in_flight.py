@@ -5,7 +5,7 @@ each sample is produced by one policy version. With it, the apply lands between 
 steps while requests run, as NeMo-RL's in-flight weight updates and SkyRL's keep-mode pause do:
 
 - how it lands depends on where vLLM's engine core runs (:func:`in_flight_apply_kind`): in this
-  process (:class:`~podrl.generator.inline_engine.InlineEngine`) the apply runs on the engine's
+  process (:class:`~podrl.generator.engine_runtime.InlineEngine`) the apply runs on the engine's
   loop thread right after the step in progress; with ``AsyncLLM`` the scheduler is paused in
   vLLM's "keep" mode (requests stay where they are), the workers apply, and it resumes;
 - after a version changed, vLLM's prefix cache is reset with its running requests preempted,
@@ -48,7 +48,7 @@ def in_flight_apply_kind(engine: Any) -> str:
     engine, :data:`PAUSE_KEEP` for an ``AsyncLLM`` whose engine-core client pauses and resumes
     the scheduler (``pause_scheduler_async``, ``resume_scheduler_async``) with vLLM's "keep"
     mode, :data:`UNSUPPORTED` otherwise (applies then wait for running Generates)."""
-    from podrl.generator.inline_engine import InlineEngine
+    from podrl.generator.engine_runtime import InlineEngine
 
     if isinstance(engine, InlineEngine):
         return BETWEEN_STEPS

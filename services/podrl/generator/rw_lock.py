@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from podrl.generator.deadlines import deadline_after, seconds_left
+from podrl.generator.engine_runtime import deadline_after, seconds_left
 
 
 class LockTimeoutError(TimeoutError):

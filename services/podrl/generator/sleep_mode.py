@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
-from podrl.generator.deadlines import deadline_after, seconds_left
-from podrl.generator.engine_loop import EngineLoop
+from podrl.generator.engine_runtime import EngineLoop, deadline_after, seconds_left
 from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.weight_applier import WeightApplier
 

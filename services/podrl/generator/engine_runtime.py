@@ -1,5 +1,13 @@
-"""vLLM's engine core inside the generator's own process (``generator.engine_core: in_process``).
+"""What runs vLLM's engine: the loop thread it runs on, its engine core in this process, and the
+deadlines of the calls handed to it.
 
+**The loop thread** (:class:`EngineLoop`). vLLM's ``AsyncLLM`` (or, with
+``generator.engine_core: in_process``, :class:`InlineEngine`) runs on an asyncio loop in one
+background thread; the gRPC server's threads hand it work with :meth:`EngineLoop.submit`, so
+concurrent Generate calls batch inside the engine; in-flight weight applies and the engine's
+mirror of the workers' weight state change on this thread, between two engine steps.
+
+**The engine core in process** (:class:`InlineEngine`, ``generator.engine_core: in_process``).
 ``AsyncLLM`` always runs vLLM's engine core (scheduler, model runner, the worker of a
 one-device engine) in a process of its own and streams its outputs back over ZeroMQ. On a CPU
 that costs more than it buys: both processes stay busy for every decoding step, so the demo's
@@ -8,18 +16,22 @@ Generate (16 prompts x 8 samples, 6 tokens) used about 0.45 s of CPU in 0.22 s a
 cores the second process takes the core the pod's trainer needs.
 
 :class:`InlineEngine` is vLLM's own in-process path, the ``LLMEngine`` behind ``vllm.LLM``
-(its ``InprocClient`` engine core), wrapped in the few coroutines of ``AsyncLLM`` that
-:class:`podrl.generator.engine.VllmEngine` uses. Everything runs on the engine's event-loop
-thread: ``generate`` adds its request and waits on a queue; one driver task steps the engine
-while any request is unfinished and hands each output to its request's queue, yielding to the
-loop between steps so that new requests join the running batch (vLLM's continuous batching)
-and utility calls (``collective_rpc``, ``reset_prefix_cache``) run between two steps, as the
-engine-core process runs them. An in-flight weight apply (``podrl.generator.in_flight``)
-needs no pause here: :meth:`InlineEngine.call_between_steps` runs it on the loop thread right
-after the step in progress, and answers its caller from there. (A coroutine submitted to the
-loop would start only two loop iterations later and answer one later still, each iteration one
-engine step: most of a busy demo generator's in-flight apply went there, bench/in_flight_apply.py
-and docs/controller.md, "In-flight weight updates".)
+(its ``InprocClient`` engine core), wrapped in the few coroutines of ``AsyncLLM`` that the
+generator's parts use. Everything runs on the engine's event-loop thread: ``generate`` adds its
+request and waits on a queue; one driver task steps the engine while any request is unfinished
+and hands each output to its request's queue, yielding to the loop between steps so that new
+requests join the running batch (vLLM's continuous batching) and utility calls
+(``collective_rpc``, ``reset_prefix_cache``) run between two steps, as the engine-core process
+runs them. An in-flight weight apply (``podrl.generator.weight_applier``) needs no pause here:
+:meth:`InlineEngine.call_between_steps` runs it on the loop thread right after the step in
+progress, and answers its caller from there. (A coroutine submitted to the loop would start
+only two loop iterations later and answer one later still, each iteration one engine step: most
+of a busy demo generator's in-flight apply went there, bench/in_flight_apply.py and
+docs/controller.md, "In-flight weight updates".)
+
+**Deadlines** (:func:`deadline_after`, :func:`seconds_left`): ``time.monotonic()`` instants, so
+that a call's one deadline bounds each wait it makes (a lock, the loop, the workers); None is no
+deadline.
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import concurrent.futures
 import logging
 import os
 import queue
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from podrl.generator import vllm_compat
@@ -37,6 +51,52 @@ from podrl.generator import vllm_compat
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+# ---- deadlines -------------------------------------------------------------------------------
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """The instant ``timeout`` seconds from now (None: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline``, never negative (None: no deadline)."""
+    if deadline is None:
+        return None
+    return max(0.0, deadline - time.monotonic())
+
+
+# ---- the loop thread -------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """One event loop on a daemon thread named ``vllm-loop``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop; thread-safe."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run ``coro`` on the loop and wait for its result (``TimeoutError`` after
+        ``timeout`` seconds; the coroutine keeps running)."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+# ---- the engine core in process --------------------------------------------------------------
 
 
 def serve_with_one_intra_op_thread(env: Mapping[str, str] = os.environ) -> bool:
