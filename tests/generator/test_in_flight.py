@@ -1,5 +1,6 @@
-"""podrl.generator.in_flight without an engine: which engines take in-flight applies, and how a
-failed one fails the Generate calls it interrupted (the real engine: test_in_flight_apply.py)."""
+"""In-flight applies (podrl.generator.weight_applier) without an engine: which engines take them,
+and how a failed one fails the Generate calls it interrupted (the real engine:
+test_in_flight_apply.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from podrl.generator.in_flight import (
+from podrl.generator.weight_applier import (
     PAUSE_KEEP,
     UNSUPPORTED,
     GenerateSpan,

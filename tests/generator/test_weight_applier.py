@@ -14,9 +14,8 @@ import pytest
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator.engine_runtime import EngineLoop
-from podrl.generator.in_flight import UNSUPPORTED
 from podrl.generator.servicer import APPLY_FAILURE_STATUS
-from podrl.generator.weight_applier import WeightApplier, WeightApplyError
+from podrl.generator.weight_applier import UNSUPPORTED, WeightApplier, WeightApplyError
 from podrl.generator.weight_state import WeightPhase, WeightState
 from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2

@@ -36,10 +36,14 @@ from podrl.generator.engine_build import build_engine, engine_core_placement
 from podrl.generator.engine_runtime import EngineLoop
 from podrl.generator.errors import GeneratorUnavailableError
 from podrl.generator.generation import GenerateResult, Generation, SamplingRequest
-from podrl.generator.in_flight import UNSUPPORTED, in_flight_apply_kind
 from podrl.generator.sleep_mode import SleepMode
 from podrl.generator.vllm_compat import check_vllm_version
-from podrl.generator.weight_applier import ApplyResult, WeightApplier
+from podrl.generator.weight_applier import (
+    UNSUPPORTED,
+    ApplyResult,
+    WeightApplier,
+    in_flight_apply_kind,
+)
 from podrl.generator.weight_state import WeightState, combine
 from podrl.v1 import weights_pb2
 from podrl.weights.keys import GeneratorKey
@@ -182,7 +186,7 @@ class VllmEngine:
 
     @property
     def in_flight_apply(self) -> str:
-        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
+        """How an in-flight apply lands on this engine (``weight_applier.in_flight_apply_kind``)."""
         return UNSUPPORTED if self._applier is None else self._applier.in_flight_apply
 
     @property

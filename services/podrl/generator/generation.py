@@ -25,10 +25,8 @@ from typing import Any
 from podrl.config.generator import GeneratorConfig
 from podrl.generator.engine_runtime import EngineLoop, deadline_after, seconds_left
 from podrl.generator.errors import InvalidRequestError
-from podrl.generator.in_flight import GenerateSpan
-from podrl.generator.rw_lock import LockTimeoutError
 from podrl.generator.vllm_compat import request_errors
-from podrl.generator.weight_applier import WeightApplier
+from podrl.generator.weight_applier import GenerateSpan, LockTimeoutError, WeightApplier
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,8 @@ from podrl.config import RunConfig
 from podrl.generator.engine import VllmEngine
 from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.generation import NonFiniteOutputError, SamplingRequest
-from podrl.generator.rw_lock import LockTimeoutError
 from podrl.generator.sleep_mode import SleepUnsupportedError
-from podrl.generator.weight_applier import WeightApplyError
+from podrl.generator.weight_applier import LockTimeoutError, WeightApplyError
 from podrl.generator.weight_state import WeightsNotServableError
 from podrl.generator.worker_messages import ErrorKind
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc

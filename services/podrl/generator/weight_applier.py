@@ -1,19 +1,21 @@
-"""Applying a weight manifest to vLLM's workers, and the engine's mirror of their weight state.
+"""Applying a weight manifest to vLLM's workers: the weight lock, in-flight applies, and the
+engine's mirror of the workers' weight state.
 
-Which version the generator serves belongs to the workers (``podrl.generator.weight_state``):
-the engine keeps no counter, only a mirror of the state the workers send back with every
-reply. :class:`WeightApplier` is the one writer of that mirror, and owns what an apply needs
-around the workers' call:
+Which version the generator serves belongs to the workers (``podrl.generator.worker_extension``,
+``WorkerWeights``): the engine keeps no counter, only a mirror of the state the workers send
+back with every reply. :class:`WeightApplier` is the one writer of that mirror, and owns what an
+apply needs around the workers' call:
 
-* the readers-writer lock: every Generate holds the read side (:meth:`WeightApplier.reading`)
-  from submission to its last token, an apply the write side, so a swap waits for running
-  Generate calls, holds new ones back, and every sample is produced by one policy version;
-  after a swap the prefix cache is reset (its KV blocks came from the old weights);
-* one change of the weights at a time (an apply, a sleep, a wake-up: :meth:`exclusive`); an
-  apply with ``in_flight`` takes no write lock and lands between two engine steps while
-  Generate calls run (``podrl.generator.in_flight``), on the loop thread between steps
-  (:meth:`_land_between_steps`, in-process engine core) or with vLLM's scheduler paused in keep
-  mode (:meth:`_land_paused`, ``AsyncLLM``);
+* the readers-writer lock (:class:`ReadWriteLock`, writer-preferring: a waiting writer blocks
+  new readers, so a steady stream of Generate calls cannot starve a weight update): every
+  Generate holds the read side (:meth:`WeightApplier.reading`) from submission to its last
+  token, an apply the write side, so a swap waits for running Generate calls, holds new ones
+  back, and every sample is produced by one policy version; after a swap the prefix cache is
+  reset (its KV blocks came from the old weights);
+* one change of the weights at a time (an apply, a sleep, a wake-up: :meth:`exclusive`), and
+  whether the weights are asleep (:meth:`WeightApplier.require_awake`, checked by every Generate
+  and apply; ``podrl.generator.sleep_mode`` sets the level);
+* in-flight applies (``ApplyWeightsRequest.in_flight``, below);
 * deadlines: an apply that passes its caller's deadline keeps the write lock while the workers
   may still be writing, for at most ``weight_apply_overrun_seconds`` more; after that the mirror
   says needs_full (Generate refused) until the next apply has waited for that one (the
@@ -23,10 +25,33 @@ Before an apply takes any lock, the manifest must carry the MAC of the pod's wei
 (``podrl.weights.keys``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a forged or
 oversized manifest is refused (PERMISSION_DENIED / INVALID_ARGUMENT) without holding back a
 single Generate and without touching the weight state.
+
+**In-flight applies.** Without ``in_flight`` an apply waits for every running Generate (the
+write lock), so each sample is produced by one policy version. With it, the apply takes no write
+lock and lands between two engine steps while requests run, as NeMo-RL's in-flight weight
+updates and SkyRL's keep-mode pause do:
+
+- how it lands depends on where vLLM's engine core runs (:func:`in_flight_apply_kind`): in this
+  process (``podrl.generator.engine_runtime.InlineEngine``) the apply runs on the engine's loop
+  thread right after the step in progress (:meth:`WeightApplier._land_between_steps`); with
+  ``AsyncLLM`` the scheduler is paused in vLLM's "keep" mode (requests stay where they are), the
+  workers apply, and it resumes (:meth:`WeightApplier._land_paused`);
+- after a version changed, vLLM's prefix cache is reset with its running requests preempted,
+  so their KV blocks are recomputed by the new weights: every token sampled after the apply
+  comes from the new weights alone;
+- each Generate reads the served version when it starts and when each prompt's request
+  finished (:class:`GenerateSpan`): a sample's ``policy_version`` .. ``last_policy_version``
+  covers every version that sampled a token of it;
+- an apply that leaves the weights of no known version (needs_full) fails the Generate calls
+  it interrupted (:class:`RunningGenerates`, :class:`InterruptedGenerateError`): their later
+  tokens came from unknown weights. A refused manifest, or one that failed before vLLM's
+  parameters were touched, interrupts nothing. The running Generate calls are tracked on the
+  engine's event-loop thread (one thread: no locks needed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -34,16 +59,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import vllm_compat
-from podrl.generator.engine_runtime import EngineLoop, deadline_after, seconds_left
+from podrl.generator.engine_runtime import EngineLoop, InlineEngine, deadline_after, seconds_left
 from podrl.generator.errors import InvalidRequestError
-from podrl.generator.in_flight import BETWEEN_STEPS, UNSUPPORTED, RunningGenerates
-from podrl.generator.rw_lock import LockTimeoutError, ReadWriteLock
-from podrl.generator.weight_state import NEEDS_FULL_HINT, WeightPhase, WeightState, combine
+from podrl.generator.weight_state import (
+    NEEDS_FULL_HINT,
+    WeightPhase,
+    WeightsNotServableError,
+    WeightState,
+    combine,
+)
 from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2
 from podrl.weights.keys import GeneratorKey
@@ -53,6 +82,130 @@ log = logging.getLogger(__name__)
 
 APPLY_METHOD = "podrl_apply_manifest"
 """The workers' apply (``PodrlWorkerExtension.podrl_apply_manifest``)."""
+
+
+# ---- the weight lock -------------------------------------------------------------------------
+
+
+class LockTimeoutError(TimeoutError):
+    """The lock was not acquired within the caller's deadline."""
+
+
+class ReadWriteLock:
+    """Writer-preferring: many Generate calls (readers), or one weight swap (the writer)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def read(self, timeout: float | None = None) -> Iterator[None]:
+        deadline = deadline_after(timeout)
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                if not self._cond.wait(seconds_left(deadline)):
+                    raise LockTimeoutError("timed out waiting for a weight update to finish")
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self, timeout: float | None = None) -> Iterator[None]:
+        deadline = deadline_after(timeout)
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    if not self._cond.wait(seconds_left(deadline)):
+                        raise LockTimeoutError("timed out waiting for generate calls to finish")
+            finally:
+                self._writers_waiting -= 1
+                self._cond.notify_all()  # readers held back by this writer may go on a timeout
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+# ---- in-flight applies -----------------------------------------------------------------------
+
+BETWEEN_STEPS = "between_steps"
+PAUSE_KEEP = "pause_keep"
+UNSUPPORTED = "unsupported"
+
+
+class InterruptedGenerateError(WeightsNotServableError):
+    """An in-flight apply left the weights of no known version while this Generate ran: its
+    samples are not returned (→ FAILED_PRECONDITION, "needs a full manifest")."""
+
+
+def in_flight_apply_kind(engine: Any) -> str:
+    """How an in-flight apply lands on ``engine``: :data:`BETWEEN_STEPS` for podrl's in-process
+    engine, :data:`PAUSE_KEEP` for an ``AsyncLLM`` whose engine-core client pauses and resumes
+    the scheduler (``pause_scheduler_async``, ``resume_scheduler_async``) with vLLM's "keep"
+    mode, :data:`UNSUPPORTED` otherwise (applies then wait for running Generates)."""
+    if isinstance(engine, InlineEngine):
+        return BETWEEN_STEPS
+    return PAUSE_KEEP if vllm_compat.pauses_in_keep_mode(engine) else UNSUPPORTED
+
+
+@dataclass
+class GenerateSpan:
+    """One Generate call as the engine's loop thread saw it."""
+
+    first_version: int
+    """The version served when its requests were added."""
+    last_versions: list[int] = field(default_factory=list)
+    """Per prompt: the version served when that prompt's request finished."""
+    lost: str | None = None
+    """Why an in-flight apply failed it (None: it was not)."""
+
+
+class RunningGenerates:
+    """The Generate calls running on the engine's loop thread, so that an in-flight apply that
+    failed part-way can fail them."""
+
+    def __init__(self) -> None:
+        self._running: dict[asyncio.Task[Any], GenerateSpan] = {}
+
+    @contextmanager
+    def track(self, span: GenerateSpan) -> Iterator[GenerateSpan]:
+        """Count the current task as running ``span`` for the block. A cancellation caused by
+        :meth:`fail_all` leaves it as :class:`InterruptedGenerateError`."""
+        task = asyncio.current_task()
+        assert task is not None, "track() runs inside a task on the engine's loop"
+        self._running[task] = span
+        try:
+            yield span
+        except asyncio.CancelledError:
+            if span.lost is None:
+                raise  # the caller cancelled (its deadline passed, the client went away)
+            raise InterruptedGenerateError(span.lost) from None
+        finally:
+            self._running.pop(task, None)
+
+    def fail_all(self, why: str) -> int:
+        """Fail every running Generate (its requests are aborted); how many there were."""
+        for task, span in self._running.items():
+            span.lost = (
+                f"{why} while this Generate ran: its samples' later tokens came from weights of "
+                f"no known version; {NEEDS_FULL_HINT}"
+            )
+            task.cancel()
+        return len(self._running)
+
+
+# ---- applying --------------------------------------------------------------------------------
 
 
 class WeightApplyError(RuntimeError):
@@ -104,7 +257,7 @@ class WeightApplier:
         """Mirror of the workers' weight state, replaced only from their replies (and set to
         needs_full while an apply they may still be running is unsettled)."""
         self.in_flight_apply = in_flight_apply
-        """How an in-flight apply lands on this engine (``in_flight.in_flight_apply_kind``)."""
+        """How an in-flight apply lands on this engine (:func:`in_flight_apply_kind`)."""
         self._parameter_count = parameter_count
         self._trusted_publisher_id = trusted_publisher_id
         self._key = key
@@ -154,7 +307,7 @@ class WeightApplier:
         a caller that lost the reply can simply retry. ``rollback`` accepts an older version
         (the trainer restarted from a checkpoint): full manifests only, handles reopened.
         ``in_flight``: do not wait for running Generate calls, where the engine can
-        (``podrl.generator.in_flight``); else the apply waits for them as without."""
+        (the module docstring); else the apply waits for them as without."""
         from podrl.weights.receiver import check_shard_count
 
         if in_flight and rollback:

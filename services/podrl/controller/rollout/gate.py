@@ -7,7 +7,7 @@ and acknowledgment need no generator), for the step boundary (align: pods admitt
 generators brought to their trainers' version) and for evaluations. So weights are applied
 to each pod's generator between its generation batches, never in the middle of one; with
 ``loop.weight_apply: in_flight`` the syncs and aligns take no gate (the generators apply in
-the middle of a batch, ``podrl.generator.in_flight``), evaluations still do.
+the middle of a batch, ``podrl.generator.weight_applier``), evaluations still do.
 """
 
 from __future__ import annotations
