@@ -1,20 +1,20 @@
-"""Units of ``podrl.trainer.replication`` without processes: a pod's share of a batch (its
-checks, ``validate_share``, and the loss's denominators, ``share_totals``) and how a healing
-pod takes a peer's state (``_copy_into``)."""
+"""Units without processes: a pod's share of a batch (its checks, ``validate_share``, and the
+loss's denominators, ``share_totals``: ``podrl.trainer.batch``) and how a healing pod takes a
+peer's state (``_copy_into``: ``podrl.trainer.replication``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from podrl.trainer.batch import BatchError, BatchLimits
-from podrl.trainer.replication import (
-    ReplicaStateError,
-    _copy_into,
+from podrl.trainer.batch import (
+    BatchError,
+    BatchLimits,
     check_share_counts,
     share_totals,
     validate_share,
 )
+from podrl.trainer.replication import ReplicaStateError, _copy_into
 from tests.trainer.pods import share
 from tests.trainer.rank_worker import make_request
 

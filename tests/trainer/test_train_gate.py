@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from podrl.config import RunConfig, load_config
+from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError
 from podrl.trainer.command_table import register_builtin_commands, register_commands
 from podrl.trainer.engine import TrainerEngine
@@ -244,3 +245,16 @@ def test_the_optimizer_waits_for_an_acknowledgement_as_long_as_the_config_says(
     with pytest.raises(TimeoutError, match=r"version 7 .* not acknowledged within 2 s"):
         engine.optimizer.step()
     assert waits == [2.5]
+
+
+def test_a_train_reads_its_replication_from_the_engine_not_the_config(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine decided at build whether it runs across pods; a step asking the config again
+    # would raise here.
+    def asked(_self: ReplicationConfig) -> bool:
+        raise AssertionError("a Train read trainer.replication after the engine was built")
+
+    monkeypatch.setattr(ReplicationConfig, "enabled", property(asked))
+    assert served.stub.Train(make_request(1), timeout=60).policy_version == 1
+    assert served.engine.replicated is False

@@ -1,7 +1,9 @@
 """Checking a Train request before it reaches the model, and cutting it into micro-batches.
 
 Validation runs on rank 0 before the batch is broadcast, so a bad batch never touches the model
-or the optimizer on any rank.
+or the optimizer on any rank. A request may be one pod's share of a batch split over pods
+(``trainer.replication``): its checks and the whole batch's totals (the loss's denominators)
+are here too, so an unreplicated step never reaches ``podrl.trainer.replication``.
 """
 
 from __future__ import annotations
@@ -98,6 +100,99 @@ def batch_totals(sequences: Sequence[trainer_pb2.TrainSequence]) -> BatchTotals:
         num_sequences=len(sequences),
         num_tokens=sum(len(s.completion_ids) for s in sequences),
     )
+
+
+# -- a pod's share of a batch (docs/scaling.md, "Trainers across pods") -------------------
+
+
+def is_share(request: trainer_pb2.TrainRequest) -> bool:
+    """True if the request carries batch-wide totals (it may be a part of a larger batch)."""
+    return bool(request.global_sequences or request.global_completion_tokens)
+
+
+def share_totals(request: trainer_pb2.TrainRequest) -> BatchTotals:
+    """The loss's denominators: the whole batch's counts (the request's own when it is the
+    whole batch)."""
+    if is_share(request):
+        return BatchTotals(
+            num_sequences=int(request.global_sequences),
+            num_tokens=int(request.global_completion_tokens),
+        )
+    return batch_totals(request.sequences)
+
+
+def check_share_counts(request: trainer_pb2.TrainRequest) -> None:
+    """The checks of a share's counts that need no peer and no version (BatchError naming the
+    field): both totals or neither; a share holds no more than the totals; with one pod
+    (``pods`` 1) the share is the whole batch. Run before the quorum, so a batch that
+    contradicts itself is refused at once instead of waiting for pods that cannot exist."""
+    if not is_share(request):
+        return
+    local_sequences = len(request.sequences)
+    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    if not request.global_sequences or not request.global_completion_tokens:
+        raise BatchError(
+            "global_sequences, global_completion_tokens: set both (the whole batch's counts) "
+            "or neither (this request is the whole batch)"
+        )
+    if local_sequences > request.global_sequences or local_tokens > (
+        request.global_completion_tokens
+    ):
+        raise BatchError(
+            f"global_sequences: this share holds {local_sequences} sequences and "
+            f"{local_tokens} completion tokens, more than the whole batch's "
+            f"{request.global_sequences} and {request.global_completion_tokens}"
+        )
+    if request.pods == 1 and (
+        request.global_sequences != local_sequences
+        or request.global_completion_tokens != local_tokens
+    ):
+        raise BatchError(
+            f"global_completion_tokens: one pod trains this step (pods 1), so its share is the "
+            f"whole batch, but the request holds {local_sequences} sequences and {local_tokens} "
+            f"completion tokens and names {request.global_sequences} and "
+            f"{request.global_completion_tokens}; send the share's own counts, or 0 for both"
+        )
+
+
+def validate_share(
+    request: trainer_pb2.TrainRequest,
+    policy_version: int,
+    limits: BatchLimits,
+    replicated: bool,
+) -> None:
+    """``validate_train_request`` plus the fields of a batch split over pods; raise BatchError
+    naming the field. Without cross-pod replication a request must be the whole batch."""
+    local_sequences = len(request.sequences)
+    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    if not replicated:
+        if request.pods > 1:
+            raise BatchError(
+                f"pods: {request.pods} pods train this step but this trainer has no cross-pod "
+                "replication (trainer.replication.lighthouse_address is empty); send it the "
+                "whole batch with pods 0 or 1, or set the Lighthouse address"
+            )
+        if is_share(request) and (
+            request.global_sequences != local_sequences
+            or request.global_completion_tokens != local_tokens
+        ):
+            raise BatchError(
+                f"global_sequences: the batch has {request.global_sequences} sequences "
+                f"({request.global_completion_tokens} completion tokens), this request holds "
+                f"{local_sequences} ({local_tokens}), but this trainer has no cross-pod "
+                "replication (trainer.replication.lighthouse_address is empty) and would step on "
+                "its share alone; send the whole batch, or set the Lighthouse address"
+            )
+    check_share_counts(request)
+    if is_share(request) and not request.sequences:
+        # An empty share takes part in the step; only its version can be wrong.
+        if request.policy_version != policy_version:
+            raise BatchError(
+                f"policy_version: the trainer holds version {policy_version}, the request "
+                f"expects {request.policy_version}; send batches for the current version"
+            )
+        return
+    validate_train_request(request, policy_version, limits)
 
 
 @dataclass

@@ -33,7 +33,9 @@ from podrl.trainer.batch import (
     BatchLimits,
     MicroBatch,
     collate,
+    share_totals,
     split_for_rank,
+    validate_share,
 )
 from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
 from podrl.trainer.grad_norm import clip_grad_norm, snapshot_parameters, update_ratio
@@ -53,13 +55,7 @@ from podrl.trainer.parallel import (
     resolve_model_path,
 )
 from podrl.trainer.rank_command_loop import Cancelled, never_cancelled
-from podrl.trainer.replication import (
-    CrossPodReplica,
-    ReplicaStepError,
-    parameters_digest,
-    share_totals,
-    validate_share,
-)
+from podrl.trainer.replication import CrossPodReplica, ReplicaStepError, parameters_digest
 from podrl.trainer.schedule import lr_multiplier
 from podrl.trainer.train_state import AppliedTrain, TrainState
 from podrl.v1 import trainer_pb2
@@ -241,7 +237,9 @@ class TrainerEngine:
         # Checks that may refuse a step before any rank starts it (e.g. weights published from
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
         self.train_gates: list[Callable[[], None]] = []
-        # Data parallelism across pods (podrl.trainer.replication): built by the first Train.
+        # Data parallelism across pods (podrl.trainer.replication): decided here, once, so a
+        # step reads a flag instead of the config; the replica itself is built by the first Train.
+        self.replicated = settings.replication.enabled
         self.replica: CrossPodReplica | None = None
         log.info(
             "trainer rank %d/%d: %s on %s, mesh %s",
@@ -274,11 +272,6 @@ class TrainerEngine:
     @property
     def learning_rate(self) -> float:
         return self.train_state.learning_rate
-
-    @property
-    def replicated(self) -> bool:
-        """True if every step is one data-parallel step of the pods at the Lighthouse."""
-        return self.settings.replication.enabled
 
     def validate(self, request: trainer_pb2.TrainRequest) -> None:
         """Raise BatchError if ``request`` must not be trained on, TrainNotAllowedError if the

@@ -30,11 +30,10 @@ from google.protobuf.message import Message
 import podrl
 from podrl.config import RunConfig
 from podrl.trainer import checkpoint, command_table, export, paths
-from podrl.trainer.batch import BatchError
+from podrl.trainer.batch import BatchError, check_share_counts
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
 from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
-from podrl.trainer.replication import check_share_counts
 from podrl.trainer.weight_publishing import ACKNOWLEDGE_WEIGHTS, PUBLISH_WEIGHTS
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
