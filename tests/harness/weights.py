@@ -1,6 +1,6 @@
 """Publishing from a trainer of one process, as the weights and generator tests and the benches
 that drive a generator directly do (the trainer service gathers several ranks' parts instead:
-``podrl.trainer.weight_publishing``)."""
+``podrl.trainer.rank_commands``)."""
 
 from __future__ import annotations
 

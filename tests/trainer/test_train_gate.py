@@ -28,12 +28,17 @@ import torch
 from podrl.config import RunConfig, load_config
 from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError
-from podrl.trainer.command_table import register_builtin_commands, register_commands
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
-from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
+from podrl.trainer.rank_commands import (
+    CommandLoop,
+    RankCommandError,
+    WeightPublishing,
+    register_builtin_commands,
+    register_commands,
+    register_weight_commands,
+)
 from podrl.trainer.servicer import TrainerServicer
-from podrl.trainer.weight_publishing import WeightPublishing, register_weight_commands
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from podrl.weights.errors import PublishError
 from tests.trainer.rank_worker import config_env, make_request
@@ -258,3 +263,18 @@ def test_a_train_reads_its_replication_from_the_engine_not_the_config(
     monkeypatch.setattr(ReplicationConfig, "enabled", property(asked))
     assert served.stub.Train(make_request(1), timeout=60).policy_version == 1
     assert served.engine.replicated is False
+
+
+def test_a_weight_sync_runs_none_of_the_engines_code(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PublishWeights and AcknowledgeWeights read the engine's model and train state; a call of
+    # one of the engine's own functions (here: its policy_version property) would raise.
+    def asked(_self: TrainerEngine) -> int:
+        raise AssertionError("a weight sync ran the engine's code")
+
+    monkeypatch.setattr(TrainerEngine, "policy_version", property(asked))
+    published = served.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(), timeout=60)
+    assert published.manifest.version == 0
+    served.stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=60)
+    assert served.sync.publisher.pending_version is None

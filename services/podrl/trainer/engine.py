@@ -1,7 +1,7 @@
 """TrainerEngine: the policy model, its optimizer and schedule, the step and policy version.
 
 One engine lives on every trainer rank; rank 0 validates requests and drives the others through
-the rank command loop (``podrl.trainer.rank_command_loop``), every rank then calls the same engine
+the rank command loop (``podrl.trainer.rank_commands``), every rank then calls the same engine
 method with the same arguments.
 """
 
@@ -54,13 +54,21 @@ from podrl.trainer.parallel import (
     resolve_device,
     resolve_model_path,
 )
-from podrl.trainer.rank_command_loop import Cancelled, never_cancelled
 from podrl.trainer.replication import CrossPodReplica, ReplicaStepError, parameters_digest
 from podrl.trainer.schedule import lr_multiplier
 from podrl.trainer.train_state import AppliedTrain, TrainState
 from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
+
+Cancelled = Callable[[], bool]
+"""True once the caller of a running command gave up on it (rank 0's gRPC caller)."""
+
+
+def never_cancelled() -> bool:
+    """The cancellation of a command nobody can cancel (ranks > 0, direct calls)."""
+    return False
+
 
 # Metric sums all-reduced over the data-parallel ranks, in this order.
 _SUMS = (

@@ -24,9 +24,8 @@ log = logging.getLogger(__name__)
 
 def build_spec(config: RunConfig) -> ServiceSpec:
     """Rank 0: the engine, the command loop and the gRPC servicer."""
-    from podrl.trainer.command_table import register_commands
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.rank_command_loop import CommandLoop
+    from podrl.trainer.rank_commands import CommandLoop, register_commands
     from podrl.trainer.servicer import TrainerServicer
 
     engine = TrainerEngine.build(config)
@@ -46,9 +45,8 @@ def build_spec(config: RunConfig) -> ServiceSpec:
 
 def follow(config: RunConfig) -> int:
     """Ranks > 0: build the same engine, then run rank 0's commands until it says stop."""
-    from podrl.trainer.command_table import register_commands
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.rank_command_loop import CommandLoop
+    from podrl.trainer.rank_commands import CommandLoop, register_commands
 
     rank = int(os.environ["RANK"])
 

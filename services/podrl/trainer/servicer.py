@@ -1,7 +1,7 @@
 """gRPC Trainer service (rank 0). Each RPC that changes or reads sharded state runs on every
 rank through the rank command loop; validation happens here first, so a bad request never
-reaches the other ranks. PublishWeights/AcknowledgeWeights run the weight-transfer layer's
-commands (``podrl.trainer.weight_publishing``).
+reaches the other ranks. PublishWeights/AcknowledgeWeights run this rank's weight publishing
+(``podrl.trainer.rank_commands``' ``WeightPublishing``) on every rank, never the engine.
 
 Train (docs/trainer.md):
 
@@ -29,12 +29,11 @@ from google.protobuf.message import Message
 
 import podrl
 from podrl.config import RunConfig
-from podrl.trainer import checkpoint, command_table, export, paths
+from podrl.trainer import checkpoint, export, paths, rank_commands
 from podrl.trainer.batch import BatchError, check_share_counts
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import ErrorKind, TrainNotAllowedError
-from podrl.trainer.rank_command_loop import CommandLoop, RankCommandError
-from podrl.trainer.weight_publishing import ACKNOWLEDGE_WEIGHTS, PUBLISH_WEIGHTS
+from podrl.trainer.rank_commands import CommandLoop, RankCommandError
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 # A replicated step waiting for its quorum gives up when the controller cancels
                 # the call (a peer pod of the step was lost: docs/scaling.md).
                 payloads = self._loop.run(
-                    command_table.TRAIN,
+                    rank_commands.TRAIN,
                     request.SerializeToString(),
                     cancelled=lambda: not context.is_active(),
                 )
@@ -192,7 +191,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
             try:
                 payload = resolved.SerializeToString()
-                reply = self._loop.run(command_table.SAVE_CHECKPOINT, payload)[0]
+                reply = self._loop.run(rank_commands.SAVE_CHECKPOINT, payload)[0]
             except RankCommandError as err:
                 # Every rank failed (checkpoint.save agrees on the outcome); the folder is as it
                 # was and the partial one is gone. A full disk is the operator's to fix.
@@ -227,7 +226,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
         resolved = trainer_pb2.LoadCheckpointRequest(path=str(path))
         with self._lock:
-            reply = self._run(command_table.LOAD_CHECKPOINT, resolved, context)
+            reply = self._run(rank_commands.LOAD_CHECKPOINT, resolved, context)
         return trainer_pb2.LoadCheckpointResponse.FromString(reply)
 
     def ExportHF(
@@ -256,17 +255,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
         resolved = trainer_pb2.ExportHFRequest(path=str(path))
         with self._lock:
-            reply = self._run(command_table.EXPORT_HF, resolved, context)
+            reply = self._run(rank_commands.EXPORT_HF, resolved, context)
         return trainer_pb2.ExportHFResponse.FromString(reply)
 
-    # -- weight publishing (podrl.trainer.weight_publishing) --------------------------------------
+    # -- weight publishing (podrl.trainer.rank_commands' WeightPublishing) ------------------------
 
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
         try:
             with self._lock:  # never between a Train's gate check and its step
-                reply = self._loop.run(PUBLISH_WEIGHTS, request.SerializeToString())[0]
+                reply = self._loop.run(rank_commands.PUBLISH_WEIGHTS, request.SerializeToString())[
+                    0
+                ]
         except RankCommandError as err:
             # Every rank refuses alike while the previous version is unacknowledged.
             context.abort(_STATUS[err.kind], str(err))
@@ -277,7 +278,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.AcknowledgeWeightsResponse:
         try:
             with self._lock:
-                self._loop.run(ACKNOWLEDGE_WEIGHTS, request.SerializeToString())
+                self._loop.run(rank_commands.ACKNOWLEDGE_WEIGHTS, request.SerializeToString())
         except RankCommandError as err:
             if err.kind == trainer_pb2.RANK_ERROR_KIND_NOT_NOW:
                 # Every rank refuses alike an acknowledgement of a version that is not pending.
@@ -293,7 +294,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.ParametersDigestRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.ParametersDigestResponse:
         with self._lock:  # the parameters of one version: never while a step runs
-            reply = self._run(command_table.PARAMETERS_DIGEST, request, context)
+            reply = self._run(rank_commands.PARAMETERS_DIGEST, request, context)
         return trainer_pb2.ParametersDigestResponse.FromString(reply)
 
     def Info(

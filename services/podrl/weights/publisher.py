@@ -20,8 +20,8 @@ holds version v").
 
 Weights holding NaN or infinity are never published: :meth:`WeightPublisher.start` refuses
 them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
-agrees on that first (``podrl.trainer.weight_publishing``). The assembler signs every manifest
-with the pod's weights key (``podrl.weights.keys``).
+agrees on that first (``podrl.trainer.rank_commands``' ``WeightPublishing``). The assembler
+signs every manifest with the pod's weights key (``podrl.weights.keys``).
 """
 
 from __future__ import annotations
