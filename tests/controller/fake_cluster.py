@@ -1,4 +1,4 @@
-"""Several fake pods (tests/controller/fake_workers.py) registered with a real registry, the
+"""Several fake pods (tests/controller/fake_workers.py) registered with a real pod table, the
 loop run over them against the REAL grader, and checks of what the run left (the ``cluster``
 fixture is in tests/controller/conftest.py)."""
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import grpc
 
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
@@ -33,13 +32,13 @@ COMPONENTS = (
 
 
 class Cluster:
-    """Fake pods registered with a real registry (their grader is the shared real one)."""
+    """Fake pods registered with a real pod table (their grader is the shared real one)."""
 
     def __init__(self, tmp_path: Path, grader: str, group: FakeReplicaGroup | None) -> None:
         self.tmp_path = tmp_path
         self.grader = grader
         self.group = group
-        self.registry = MemberRegistry(heartbeat_timeout_seconds=3600)
+        self.table = PodTable(heartbeat_timeout_seconds=3600)
         self.pods: dict[str, FakePod] = {}
 
     def add(self, pod_id: str) -> FakePod:
@@ -47,13 +46,13 @@ class Cluster:
         self.pods[pod_id] = pod
         for component in COMPONENTS:
             address = self.grader if component == controller_pb2.COMPONENT_GRADER else pod.address
-            self.registry.register(pod_id, component, address, f"{pod_id}-incarnation")
+            self.table.register(pod_id, component, address, f"{pod_id}-incarnation")
         return pod
 
     def drain(self, pod_id: str) -> None:
         """As SIGTERM: every process of the pod tells the controller it is draining."""
         for component in COMPONENTS:
-            self.registry.drain(pod_id, component, f"{pod_id}-incarnation")
+            self.table.drain(pod_id, component, f"{pod_id}-incarnation")
 
     def stop(self) -> None:
         for pod in self.pods.values():
@@ -72,13 +71,12 @@ class Cluster:
         run_dir = self.tmp_path / "run"
         port = int(self.grader.rsplit(":", 1)[1])
         config = loop_config(run_dir, port, task=task, steps=steps, **loop)
-        roster = PodRoster(self.registry)
-        state = RunState(config.name, self.registry, 1, config.loop.steps, roster)
+        state = RunState(config.name, self.table, 1, config.loop.steps)
         store = RunStore(run_dir / "controller.sqlite")
         clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
         source = build_task_source(config.tasks)
         stop = stop or threading.Event()
-        loop = build_loop(config, state, store, clients, source, roster, stop, 0.05)
+        loop = build_loop(config, state, store, clients, source, self.table, stop, 0.05)
         if on_step is not None:
             record = loop.recorder.record
 
@@ -97,7 +95,7 @@ class Cluster:
         samples = [
             json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()
         ]
-        return {"state": state, "steps": steps_done, "samples": samples, "roster": roster}
+        return {"state": state, "steps": steps_done, "samples": samples, "table": self.table}
 
 
 def digest(address: str) -> trainer_pb2.ParametersDigestResponse:

@@ -12,8 +12,7 @@ from typing import Any
 
 from podrl.common.processes import free_port
 from podrl.config import RunConfig
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
@@ -76,20 +75,19 @@ def run_fake_pod_loop(
 ) -> dict[str, Any]:
     """Run ``GrpoLoop.run`` to its end against ``pod`` and the real grader; what it left."""
     config = config_for(run_dir, int(grader_address.rsplit(":", 1)[1]), **loop)
-    registry = MemberRegistry(heartbeat_timeout_seconds=3600)
+    table = PodTable(heartbeat_timeout_seconds=3600)
     for component, address in (
         (controller_pb2.COMPONENT_GENERATOR, pod.address),
         (controller_pb2.COMPONENT_GRADER, grader_address),
         (controller_pb2.COMPONENT_TRAINER, pod.address),
     ):
-        registry.register("pod-0", component, address, "incarnation-1")
-    roster = PodRoster(registry)
-    state = RunState(config.name, registry, 1, config.loop.steps, roster)
+        table.register("pod-0", component, address, "incarnation-1")
+    state = RunState(config.name, table, 1, config.loop.steps)
     store = RunStore(run_dir / "controller.sqlite")
     clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
     source = build_task_source(config.tasks)
     # Re-sent at once (backoff 0.05 s): the test waits on real deadlines.
-    loop_ = build_loop(config, state, store, clients, source, roster, threading.Event(), 0.05)
+    loop_ = build_loop(config, state, store, clients, source, table, threading.Event(), 0.05)
     try:
         loop_.run()
         steps = store.steps()

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from podrl.controller.pods.roster import Pod
+from podrl.controller.pods.table import Pod
 from podrl.controller.records.checkpoint_files import STATE_FILE
 from podrl.v1 import (
     common_pb2,

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
@@ -23,15 +22,15 @@ pytestmark = needs_chromium
 
 @pytest.fixture
 def served_run(tmp_path: Path) -> Iterator[str]:
-    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+    table = PodTable(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
-        registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
+        table.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
     # A second pod; both are in the roster (admitted at the same step boundary).
     for component in (1, 2, 3):
-        registry.register(POD_1, component, f"127.0.0.1:{50060 + component}", "inc")
-    roster = PodRoster(registry, desired_replicas=lambda: 3)
-    roster.admit()
-    state = RunState("dash-test", registry, min_worker_pods=1, steps_total=20, roster=roster)
+        table.register(POD_1, component, f"127.0.0.1:{50060 + component}", "inc")
+    table.follow_cluster(desired_replicas=lambda: 3)
+    table.admit()
+    state = RunState("dash-test", table, min_worker_pods=1, steps_total=20)
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 8):
         metrics = {

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from podrl.controller import loop_metrics
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RolloutView, RunState
@@ -24,7 +24,7 @@ from tests.harness.chromium import chromium, needs_chromium
 def _async_state(
     tmp_path: Path, weight_apply: str = "between_batches"
 ) -> tuple[RunState, RunStore]:
-    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+    registry = PodTable(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
     state = RunState("async-dash", registry, min_worker_pods=1, steps_total=10)

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from podrl.config.loop import DriftWarningsConfig
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.drift import drift_warnings
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.service.rest import build_rest_app
@@ -40,7 +40,7 @@ DRIFT = {
 def _drifting_run(tmp_path: Path, last_mismatch: float) -> tuple[RunState, RunStore]:
     """Three trained steps; the last one's mismatch KL is ``last_mismatch`` and its grad norm
     unknown. The warnings come as the recorder makes them (records/drift.py)."""
-    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+    registry = PodTable(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
     state = RunState("drift-dash", registry, min_worker_pods=1, steps_total=10)

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from podrl.common.processes import free_ports
-from podrl.controller.pods.membership import MemberRegistry, MemberView
+from podrl.controller.pods.table import MemberView, PodTable
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
@@ -35,7 +35,7 @@ PAYLOADS = {
 }
 
 
-class UncheckedRegistry(MemberRegistry):
+class UncheckedRegistry(PodTable):
     """The real registry refuses such worker ids and addresses (Register validates them: see
     tests/controller/test_membership_guards.py); the page must not rely on that, so this one
     also lists a member it could never have accepted."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.evaluation import EVALS_KEY
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
@@ -37,7 +37,7 @@ def _evaluation(step: int, accuracy: float | None, error: str | None = None) -> 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[str]:
-    state = RunState("eval-dash", MemberRegistry(60), min_worker_pods=1, steps_total=100)
+    state = RunState("eval-dash", PodTable(60), min_worker_pods=1, steps_total=100)
     store = RunStore(tmp_path / "controller.sqlite")
     # The evaluation after step 50 failed: no figures, a gap in the chart, not a 0.
     evaluations = [_evaluation(0, 0.125), _evaluation(50, None, "generator down"),

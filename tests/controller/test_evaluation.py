@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from podrl.config import RunConfig
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.evaluation import EVALS_KEY, greedy_sampling, score_evaluation
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.rest import build_rest_app
@@ -274,7 +274,7 @@ def test_v1_evals_serves_the_recorded_evaluations(tmp_path: Path) -> None:
         "error": None,
     }
     store.put(EVALS_KEY, [record, {**record, "step": 5, "when": "final", "accuracy": 0.75}])
-    state = RunState("evals", MemberRegistry(60), 1)
+    state = RunState("evals", PodTable(60), 1)
     client = TestClient(build_rest_app(state, store))
     body = client.get("/v1/evals").json()
     assert [(e["step"], e["accuracy"]) for e in body] == [(0, 0.25), (5, 0.75)]

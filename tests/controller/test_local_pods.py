@@ -21,8 +21,8 @@ import uvicorn
 
 from podrl.cli.local_cluster import ChildExitedError
 from podrl.config import RunConfig
-from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from tests.controller.stand_in_cluster import StandInCluster
@@ -37,7 +37,7 @@ def controller_scaler(tmp_path: Path) -> Iterator[tuple[StandInCluster, LocalSca
     cluster.exit_codes = {}
     controller_scaler = LocalScaler(1)
     app = build_rest_app(
-        RunState("t", MemberRegistry(60), 1), None, controller_scaler, 4, auth_disabled=True
+        RunState("t", PodTable(60), 1), None, controller_scaler, 4, auth_disabled=True
     )
     server = uvicorn.Server(
         uvicorn.Config(

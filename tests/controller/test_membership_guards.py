@@ -15,7 +15,7 @@ from podrl.common.processes import free_ports
 from podrl.common.service import ServiceProcess, ServiceSpec
 from podrl.config import RunConfig
 from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.membership import MemberRegistry, RegistryFullError
+from podrl.controller.pods.table import PodTable, RegistryFullError
 from podrl.controller.service.servicer import ControllerServicer
 from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2, controller_pb2_grpc
@@ -41,7 +41,7 @@ class Controller:
             {"worker_id": "ctl", "controller": {"grpc_port": grpc_port, "http_port": http_port}}
         )
         self.clock = Clock()
-        self.registry = MemberRegistry(
+        self.registry = PodTable(
             heartbeat_timeout_seconds=TIMEOUT,
             clock=self.clock,
             max_members=MAX_MEMBERS,
@@ -225,7 +225,7 @@ def test_by_default_members_expire_after_six_heartbeat_timeouts_at_least_a_minut
     timeout: float, expiry: float
 ) -> None:
     clock = Clock()
-    registry = MemberRegistry(heartbeat_timeout_seconds=timeout, clock=clock)
+    registry = PodTable(heartbeat_timeout_seconds=timeout, clock=clock)
     registry.register("pod-0", TRAINER, "127.0.0.1:1", "i")
     clock.now += expiry - 0.5
     assert [m.worker_id for m in registry.members()] == ["pod-0"]
@@ -234,7 +234,7 @@ def test_by_default_members_expire_after_six_heartbeat_timeouts_at_least_a_minut
 
 
 def test_by_default_the_registry_holds_3072_processes() -> None:
-    registry = MemberRegistry(heartbeat_timeout_seconds=10)
+    registry = PodTable(heartbeat_timeout_seconds=10)
     for n in range(1024):
         for component in (1, 2, 3):
             registry.register(f"pod-{n}", component, "127.0.0.1:1", "i")

@@ -148,7 +148,7 @@ def test_a_pod_drained_mid_generate_keeps_its_samples_and_the_others_finish_its_
     kept = [r for r in run["samples"] if r["step"] == 2 and r["pod"] == "pod-1"]
     assert kept and all(r["trained"] or r["reward"] is not None for r in kept)
     check_every_prompt_once(run["samples"], STEPS)
-    status = {p.id: p.state for p in run["roster"].status()}
+    status = {p.id: p.state for p in run["table"].status()}
     assert status == {"pod-0": "training", "pod-1": "draining"}
 
 
@@ -183,7 +183,7 @@ def test_a_trainer_whose_generator_left_is_still_sent_every_step(cluster: Cluste
     def generator_leaves() -> None:
         calls["n"] += 1
         if calls["n"] == 2:  # step 2: only pod-1's generator drains
-            cluster.registry.drain("pod-1", controller_pb2.COMPONENT_GENERATOR, "pod-1-incarnation")
+            cluster.table.drain("pod-1", controller_pb2.COMPONENT_GENERATOR, "pod-1-incarnation")
 
     pods[1].generator.on_generate = generator_leaves
     run = cluster.run()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.status import RunState
 from tests.controller.rest_scaling import Serve, operator_headers
 
@@ -31,7 +31,7 @@ def test_unknown_paths_and_wrong_methods_are_404_and_405(
     code: int,
 ) -> None:
     scaler = LocalScaler(1)
-    url = serve(RunState("probe", MemberRegistry(60), 1), scaler)
+    url = serve(RunState("probe", PodTable(60), 1), scaler)
     reply = httpx.request(method, f"{url}{path}", headers=operator_headers(), timeout=5)
     assert reply.status_code == code
     assert scaler.desired_replicas() == 1
@@ -40,7 +40,7 @@ def test_unknown_paths_and_wrong_methods_are_404_and_405(
 @pytest.mark.parametrize("body", [b"{", b"not json", b'{"replicas": 2', b"\xff\xfe"])
 def test_malformed_json_is_422_and_changes_nothing(serve: Serve, body: bytes) -> None:
     scaler = LocalScaler(1)
-    url = serve(RunState("probe", MemberRegistry(60), 1), scaler)
+    url = serve(RunState("probe", PodTable(60), 1), scaler)
     headers = {**operator_headers(), "Content-Type": "application/json"}
     reply = httpx.put(f"{url}/v1/workers/replicas", content=body, headers=headers, timeout=5)
     assert reply.status_code == 422, reply.text

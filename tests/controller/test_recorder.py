@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from podrl.config import RunConfig
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import TRAIN_METRICS, StepRecorder
 from podrl.controller.records.resume import RecoveredStep
 from podrl.controller.records.run_store import RunStore, StepRecord
@@ -20,7 +20,7 @@ from podrl.v1 import trainer_pb2
 @pytest.fixture
 def recorder(tmp_path: Path) -> StepRecorder:
     config = RunConfig.model_validate({"name": "rec", "run_dir": str(tmp_path)})
-    state = RunState("rec", MemberRegistry(60), 1)
+    state = RunState("rec", PodTable(60), 1)
     return StepRecorder(config, state, RunStore(tmp_path / "controller.sqlite"))
 
 
@@ -90,7 +90,7 @@ def test_drift_warnings_outlive_a_controller_restart_and_leave_with_their_steps(
     assert [w["step"] for w in recorder.state.view().warnings] == list(range(4, 24))
     assert all(w["figure"] == "mismatch_kl" for w in recorder.state.view().warnings)
     # A restarted controller (a new recorder over the same run store) still shows them.
-    state = RunState("rec", MemberRegistry(60), 1)
+    state = RunState("rec", PodTable(60), 1)
     again = StepRecorder(recorder.config, state, recorder.store)
     assert [w["step"] for w in state.view().warnings] == list(range(4, 24))
     # Steps removed on resume take their warnings with them.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from podrl.config import RunConfig
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import StepRecorder
 from podrl.controller.records.resume import RecoveredStep
 from podrl.controller.records.run_store import RunStore
@@ -32,7 +32,7 @@ def _recorder(tmp_path: Path, kl_coef: float) -> StepRecorder:
     config = RunConfig.model_validate(
         {"name": "kl", "run_dir": str(tmp_path), "trainer": {"kl_coef": kl_coef}}
     )
-    state = RunState("kl", MemberRegistry(60), 1)
+    state = RunState("kl", PodTable(60), 1)
     return StepRecorder(config, state, RunStore(tmp_path / "controller.sqlite"))
 
 

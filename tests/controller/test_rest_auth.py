@@ -23,8 +23,8 @@ from podrl.cli.main import main as podrl
 from podrl.common.auth import CONTROLLER, OPERATOR, REST_ROLES, RunSecret
 from podrl.config import load_config
 from podrl.config.auth import SECRET_FILE_ENV, SECRET_VALUE_ENV
-from podrl.controller.pods.membership import MemberRegistry
 from podrl.controller.pods.scaling import LocalScaler
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from tests.controller.rest_scaling import MAX, Serve, operator_headers, suite_secret
@@ -48,7 +48,7 @@ def _desired(url: str) -> int:
 @pytest.fixture
 def scaled(serve: Serve) -> tuple[str, LocalScaler]:
     scaler = LocalScaler(1)
-    return serve(RunState("auth", MemberRegistry(60), 1), scaler), scaler
+    return serve(RunState("auth", PodTable(60), 1), scaler), scaler
 
 
 def test_without_a_token_a_put_is_401_naming_the_fix_and_changes_nothing(
@@ -111,7 +111,7 @@ def test_a_refused_request_has_its_body_never_read() -> None:
     """On every route that changes the run: without a token the body is not even read; with
     one it is, and is found malformed (so the count can see a read)."""
     app = build_rest_app(
-        RunState("auth", MemberRegistry(60), 1), None, LocalScaler(1), MAX, secret=suite_secret()
+        RunState("auth", PodTable(60), 1), None, LocalScaler(1), MAX, secret=suite_secret()
     )
     changes = [(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods
                if m not in ("GET", "HEAD")]  # fmt: skip
@@ -197,14 +197,14 @@ def test_an_operator_or_controller_token_scales(scaled: tuple[str, LocalScaler],
 
 def test_with_auth_disabled_a_put_without_a_token_scales(serve: Serve) -> None:
     scaler = LocalScaler(1)
-    url = serve(RunState("auth", MemberRegistry(60), 1), scaler, secret=None, auth_disabled=True)
+    url = serve(RunState("auth", PodTable(60), 1), scaler, secret=None, auth_disabled=True)
     assert _put(url).status_code == 202
     assert scaler.desired_replicas() == 3
 
 
 def test_an_app_built_without_the_secret_accepts_no_change(serve: Serve) -> None:
     scaler = LocalScaler(1)  # fails closed: no secret and auth not said to be off
-    url = serve(RunState("auth", MemberRegistry(60), 1), scaler, secret=None)
+    url = serve(RunState("auth", PodTable(60), 1), scaler, secret=None)
     assert _put(url, operator_headers()).status_code == 401
     assert scaler.desired_replicas() == 1
 
@@ -214,7 +214,7 @@ def test_every_route_but_reads_needs_a_token_and_every_read_is_open(
 ) -> None:
     """The claim is about routes, not one path: a route added later that changes state and
     forgets the guard fails here."""
-    app = build_rest_app(RunState("auth", MemberRegistry(60), 1), None, LocalScaler(1), MAX)
+    app = build_rest_app(RunState("auth", PodTable(60), 1), None, LocalScaler(1), MAX)
     routes = [(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods]
     changes = [(m, p) for m, p in routes if m not in ("GET", "HEAD")]
     reads = [(m, p) for m, p in routes if m in ("GET", "HEAD")]
@@ -223,7 +223,7 @@ def test_every_route_but_reads_needs_a_token_and_every_read_is_open(
         "/healthz", "/readyz", "/metrics", "/dashboard", "/v1/status", "/v1/workers", REPLICAS,
         "/v1/steps", "/v1/evals",
     }  # fmt: skip
-    url = serve(RunState("auth", MemberRegistry(60), 1), LocalScaler(1))
+    url = serve(RunState("auth", PodTable(60), 1), LocalScaler(1))
     for method, path in changes:
         reply = httpx.request(method, f"{url}{path}", json={}, timeout=5)
         assert reply.status_code == 401, (method, path)

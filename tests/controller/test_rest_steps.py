@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from podrl.cli.run_progress import fetch_all_steps
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.run_store import RunStore, StepRecord
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
@@ -22,7 +22,7 @@ def rest_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for step in range(1, STEPS + 1):
         reward = None if step == 7 else step / STEPS  # step 7: recovered, reward unknown
         store.record_step(StepRecord(step, step, {}, {"reward_mean": reward}, float(step)))
-    state = RunState("rest", MemberRegistry(60), 1, STEPS)
+    state = RunState("rest", PodTable(60), 1, STEPS)
     with served_rest_app(state, store) as url:
         yield url
 

@@ -1,6 +1,6 @@
 """One way to scale: ``PUT /v1/workers/replicas`` and ``podrl scale`` over real HTTP, locally
 (the controller's LocalScaler) and in a cluster (KubernetesScaler against the emulated API
-server, with the watch feeding the roster the desired count and the terminating pods).
+server, with the watch feeding the pod table the desired count and the terminating pods).
 
 The app here holds the suite's run secret, as the controller does: every PUT carries an
 operator token (who may scale: tests/controller/test_rest_auth.py)."""
@@ -16,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.main import main as podrl
 from podrl.controller.pods.kube_watch import KubeWatch
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
 from podrl.controller.pods.scaling import KubernetesScaler, LocalScaler
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2
 from tests.controller.kube_api import ApiServer
@@ -33,22 +32,22 @@ from tests.controller.kube_objects import (
 from tests.controller.rest_scaling import MAX, Serve, operator_headers
 
 
-def _register_pod(registry: MemberRegistry, pod: str) -> None:
+def _register_pod(table: PodTable, pod: str) -> None:
     for component in (1, 2, 3):
-        registry.register(pod, component, f"10.0.0.{len(pod)}:{5000 + component}", f"{pod}-1")
+        table.register(pod, component, f"10.0.0.{len(pod)}:{5000 + component}", f"{pod}-1")
 
 
-def _state(registry: MemberRegistry, roster: PodRoster) -> RunState:
-    return RunState("scale", registry, 1, roster=roster)
+def _state(table: PodTable) -> RunState:
+    return RunState("scale", table, 1)
 
 
 def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> None:
     changes: list[int] = []
     scaler = LocalScaler(1, on_change=changes.append)
-    registry = MemberRegistry(60)
-    _register_pod(registry, "local-0")
-    roster = PodRoster(registry, desired_replicas=scaler.desired_replicas)
-    url = serve(_state(registry, roster), scaler)
+    table = PodTable(60)
+    _register_pod(table, "local-0")
+    table.follow_cluster(scaler.desired_replicas)
+    url = serve(_state(table), scaler)
     reply = httpx.put(
         f"{url}/v1/workers/replicas", json={"replicas": 3}, headers=operator_headers(), timeout=5
     )
@@ -56,7 +55,7 @@ def test_put_replicas_sets_the_local_count_and_status_shows_it(serve: Serve) -> 
     assert reply.json() == {"desired_replicas": 3, "max_replicas": MAX}
     assert changes == [3]
     assert httpx.get(f"{url}/v1/workers/replicas", timeout=5).json()["desired_replicas"] == 3
-    roster.admit()
+    table.admit()
     status = httpx.get(f"{url}/v1/status", timeout=5).json()
     assert status["desired_replicas"] == 3 and status["epoch"] == 1
     metrics = {
@@ -83,7 +82,7 @@ def test_put_replicas_out_of_range_or_not_an_integer_is_a_422_naming_the_field(
     serve: Serve, body: dict[str, object]
 ) -> None:
     scaler = LocalScaler(1)
-    url = serve(RunState("scale", MemberRegistry(60), 1), scaler)
+    url = serve(RunState("scale", PodTable(60), 1), scaler)
     reply = httpx.put(
         f"{url}/v1/workers/replicas", json=body, headers=operator_headers(), timeout=5
     )
@@ -95,7 +94,7 @@ def test_put_replicas_out_of_range_or_not_an_integer_is_a_422_naming_the_field(
 
 def test_podrl_scale_calls_the_controller(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
     scaler = LocalScaler(1)
-    url = serve(RunState("scale", MemberRegistry(60), 1), scaler)
+    url = serve(RunState("scale", PodTable(60), 1), scaler)
     assert podrl(["scale", "--replicas", "2", "--url", url]) == 0
     assert scaler.desired_replicas() == 2
     assert podrl(["scale", "--replicas", str(MAX + 1), "--url", url]) == 2
@@ -104,7 +103,7 @@ def test_podrl_scale_calls_the_controller(serve: Serve, capsys: pytest.CaptureFi
 
 
 def test_a_controller_without_a_scaler_says_so(serve: Serve) -> None:
-    url = serve(RunState("scale", MemberRegistry(60), 1), None)
+    url = serve(RunState("scale", PodTable(60), 1), None)
     reply = httpx.put(
         f"{url}/v1/workers/replicas", json={"replicas": 2}, headers=operator_headers(), timeout=5
     )
@@ -130,16 +129,15 @@ def test_in_a_cluster_put_replicas_scales_the_statefulset_and_the_roster_follows
     scaler = KubernetesScaler(config)
     try:
         watch.wait_for(lambda v: v.synced and len(v.pods) == 2, WAIT_SECONDS)
-        registry = MemberRegistry(60)
+        table = PodTable(60)
         for pod in ("podrl-worker-0", "podrl-worker-1"):
-            _register_pod(registry, pod)
-        roster = PodRoster(
-            registry,
+            _register_pod(table, pod)
+        table.follow_cluster(
             desired_replicas=lambda: watch.view().desired_replicas,
             terminating=lambda: watch.view().terminating,
         )
-        assert [pod.id for pod in roster.admit()] == ["podrl-worker-0", "podrl-worker-1"]
-        url = serve(_state(registry, roster), scaler)
+        assert [pod.id for pod in table.admit()] == ["podrl-worker-0", "podrl-worker-1"]
+        url = serve(_state(table), scaler)
         reply = httpx.put(
             f"{url}/v1/workers/replicas",
             json={"replicas": 1},
@@ -155,10 +153,10 @@ def test_in_a_cluster_put_replicas_scales_the_statefulset_and_the_roster_follows
         # timestamp before its services drain, and the next step boundary leaves it out.
         client.CoreV1Api(kube).delete_namespaced_pod("podrl-worker-1", NAMESPACE)
         watch.wait_for(lambda v: "podrl-worker-1" in v.terminating, WAIT_SECONDS)
-        assert registry.complete_pods().keys() == {"podrl-worker-0", "podrl-worker-1"}
-        assert [pod.id for pod in roster.admit()] == ["podrl-worker-0"]
-        assert roster.epoch == 2
-        states = {p.id: p.state for p in roster.status()}
+        assert table.complete_pods().keys() == {"podrl-worker-0", "podrl-worker-1"}
+        assert [pod.id for pod in table.admit()] == ["podrl-worker-0"]
+        assert table.epoch == 2
+        states = {p.id: p.state for p in table.status()}
         assert states == {"podrl-worker-0": "training", "podrl-worker-1": "draining"}
     finally:
         watch.stop()
@@ -167,12 +165,11 @@ def test_in_a_cluster_put_replicas_scales_the_statefulset_and_the_roster_follows
 
 
 def test_a_drained_member_leaves_the_next_admission() -> None:
-    registry = MemberRegistry(60)
+    table = PodTable(60)
     for pod in ("local-0", "local-1"):
-        _register_pod(registry, pod)
-    roster = PodRoster(registry)
-    assert len(roster.admit()) == 2
-    registry.drain("local-1", controller_pb2.COMPONENT_TRAINER, "local-1-1")
-    assert [pod.id for pod in roster.admit()] == ["local-0"]
-    assert roster.epoch == 2
-    assert roster.admit() and roster.epoch == 2  # the same set: the same epoch
+        _register_pod(table, pod)
+    assert len(table.admit()) == 2
+    table.drain("local-1", controller_pb2.COMPONENT_TRAINER, "local-1-1")
+    assert [pod.id for pod in table.admit()] == ["local-0"]
+    assert table.epoch == 2
+    assert table.admit() and table.epoch == 2  # the same set: the same epoch

@@ -26,7 +26,7 @@ from podrl.common.service import ServiceProcess, ServiceSpec
 from podrl.config import ConfigError, RunConfig
 from podrl.config.auth import AuthConfig
 from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.servicer import ControllerServicer
 from podrl.controller.service.status import RunState
 from podrl.v1 import (
@@ -61,7 +61,7 @@ class Stack:
     checks reaches them and says so)."""
 
     def __init__(self, config: RunConfig) -> None:
-        self.registry = MemberRegistry(heartbeat_timeout_seconds=60)
+        self.registry = PodTable(heartbeat_timeout_seconds=60)
         self.state = RunState("auth-test", self.registry, min_worker_pods=1)
         servicer = ControllerServicer(self.state, heartbeat_interval_seconds=1)
 

@@ -6,7 +6,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from podrl.cli.local_cluster import LocalCluster
-from podrl.controller.pods.membership import MemberRegistry
+from podrl.controller.pods.table import PodTable
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from podrl.v1 import controller_pb2
@@ -63,7 +63,7 @@ def test_readyz_follows_worker_health() -> None:
     from fastapi.testclient import TestClient
 
     clock = _Clock()
-    registry = MemberRegistry(heartbeat_timeout_seconds=10, clock=clock)
+    registry = PodTable(heartbeat_timeout_seconds=10, clock=clock)
     client = TestClient(build_rest_app(RunState("t", registry, min_worker_pods=1)))
     assert client.get("/readyz").status_code == 503
     for component in (1, 2, 3):

@@ -27,7 +27,7 @@ Only :class:`KubeWatchConfig` reads the environment (what the Helm chart sets:
 ``WORKER_STATEFULSET``, ``WORKER_SELECTOR``, ``POD_NAMESPACE``, plus the service account that
 Kubernetes mounts); :meth:`KubeWatchConfig.build` returns None outside a cluster.
 
-The roster reads the view: its desired count and the pods it must not admit because they are
+The pod table reads the view: its desired count and the pods it must not admit because they are
 terminating (``service/main.py``, ``build_scaling``).
 """
 

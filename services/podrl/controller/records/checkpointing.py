@@ -2,7 +2,7 @@
 ``loop.checkpoint_every`` steps and at the end, the resume at start (and after a restart), and
 the Hugging Face export of the finished policy.
 
-One pod's trainer (:meth:`StepBoundary.lead`) writes them: every replica holds the same
+One pod's trainer (:meth:`PodTable.lead`) writes them: every replica holds the same
 weights. Where a resumed run continues is decided by the pure rules of ``resume.py``; this
 module asks the trainers and applies the plan.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from podrl.config import RunConfig
-from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
 from podrl.controller.records.recorder import CHECKPOINT_ERROR_KEY, StepRecorder
 from podrl.controller.records.resume import (
@@ -26,7 +26,6 @@ from podrl.controller.records.resume import (
 )
 from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
-from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.pod_calls import TrainPhase, WorkerClients
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error
 from podrl.tasks import TaskSource
@@ -44,9 +43,8 @@ class RunCheckpoints:
         clients: WorkerClients,
         source: TaskSource,
         recorder: StepRecorder,
-        roster: PodRoster,
+        table: PodTable,
         train_phase: TrainPhase,
-        boundary: StepBoundary,
     ) -> None:
         self.config = config
         self.state = state
@@ -54,9 +52,8 @@ class RunCheckpoints:
         self.clients = clients
         self.source = source
         self.recorder = recorder
-        self.roster = roster
+        self.table = table  # the pods, and the lead pod
         self.train_phase = train_phase  # asks the trainers' Info at resume
-        self.boundary = boundary  # the lead pod
         # A failed save of an earlier controller of this run stays visible after a restart.
         state.set_checkpoint_error(store.get(CHECKPOINT_ERROR_KEY))
 
@@ -71,7 +68,7 @@ class RunCheckpoints:
         store and shown as ``last_checkpoint_error`` in /v1/status and summary.json."""
         blob = ControllerState(self.state.step, self.state.policy_version, position).encode()
         try:
-            reply = self.clients.trainer(self.boundary.lead().trainer).SaveCheckpoint(
+            reply = self.clients.trainer(self.table.lead().trainer).SaveCheckpoint(
                 trainer_pb2.SaveCheckpointRequest(controller_state=blob), timeout=self.clients.long
             )
         except grpc.RpcError as err:
@@ -100,7 +97,7 @@ class RunCheckpoints:
         version it loads, or they would be taken for the newest replica. Generators are
         brought to the trainers' version (rolled back when ahead) and the trainers acknowledged
         by the first step's align."""
-        pods = self.roster.admit()
+        pods = self.table.admit()
         if not pods:
             raise RunFailedError("no complete, healthy worker pod to resume the run with")
         trainer_info = self.train_phase.trainer_info
@@ -179,7 +176,7 @@ class RunCheckpoints:
         <run_dir>/export (on the trainer's filesystem); a failure is recorded, not fatal."""
         path = self.config.run_dir / "export"
         try:
-            reply = self.clients.trainer(self.boundary.lead().trainer).ExportHF(
+            reply = self.clients.trainer(self.table.lead().trainer).ExportHF(
                 trainer_pb2.ExportHFRequest(path=str(path)), timeout=self.clients.long
             )
         except (grpc.RpcError, StepFailedError) as err:

@@ -16,7 +16,7 @@ from typing import Any
 
 from podrl.config import RunConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.pods.roster import pod_order
+from podrl.controller.pods.table import pod_order
 from podrl.controller.records.drift import drift_warnings
 from podrl.controller.records.evaluation import EVALS_KEY, publish_evaluation, stored_evaluations
 from podrl.controller.records.resume import RecoveredStep
@@ -151,7 +151,7 @@ class StepRecorder:
         sync_seconds: dict[str, float] | None = None,
     ) -> StepRecord:
         """A finished step: SQLite (which also clears the step in flight), status, metrics.
-        ``epoch``: the roster's epoch it was trained in; ``sync_seconds``: pod → seconds of its
+        ``epoch``: the pod table's epoch it was trained in; ``sync_seconds``: pod → seconds of its
         weight sync."""
         tokens = sum(len(s.token_ids) for _, s in data.all_samples())
         figures: dict[str, Any] = {

@@ -15,9 +15,8 @@ from podrl.common.auth import CONTROLLER, CallerCredentials, load_run_secret
 from podrl.common.service import ServiceSpec, port_in_use_error, serve
 from podrl.config import RunConfig
 from podrl.controller.pods.kube_watch import KubeWatch, KubeWatchConfig
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodRoster
 from podrl.controller.pods.scaling import ReplicaScaler, build_scaler
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator
 from podrl.controller.records.recorder import StepRecorder
@@ -27,7 +26,6 @@ from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.servicer import ControllerServicer
 from podrl.controller.service.status import RunState
 from podrl.controller.step.async_steps import AsyncSteps
-from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.loop import GrpoLoop, StepDriver, StepParts, SyncSteps
 from podrl.controller.step.pod_calls import TrainPhase, WeightSync, WorkerClients, WorkerPhases
 from podrl.tasks import TaskSource, build_task_source
@@ -96,7 +94,7 @@ def build_loop(
     store: RunStore,
     clients: WorkerClients,
     source: TaskSource,
-    roster: PodRoster,
+    table: PodTable,
     stop: threading.Event,
     train_backoff_seconds: float = 2.0,
 ) -> GrpoLoop:
@@ -106,7 +104,7 @@ def build_loop(
     pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
     gate = GeneratorGate()
     asynchronous = config.loop.mode == "async"
-    phases = WorkerPhases(clients, pool, state.registry, roster)
+    phases = WorkerPhases(clients, pool, table)
     weights = WeightSync(
         clients,
         pool,
@@ -115,13 +113,12 @@ def build_loop(
         applying=gate.loop if asynchronous else nullcontext,
         in_flight=config.loop.weight_apply == "in_flight",
     )
-    boundary = StepBoundary(state, roster, clients, pool, weights)
     train_phase = TrainPhase(
         clients,
         config.loop.max_step_attempts,
         stop,
         backoff_seconds=train_backoff_seconds,
-        on_lost=boundary.trainer_lost,  # a trainer lost mid-Train leaves the roster
+        on_lost=table.trainer_lost,  # a trainer lost mid-Train leaves the admitted pods
     )
     recorder = StepRecorder(config, state, store)
     parts = StepParts(
@@ -129,11 +126,10 @@ def build_loop(
         state,
         store,
         source,
-        roster,
+        table,
         phases,
         train_phase,
         weights,
-        boundary,
         recorder,
         gate,
         pool,
@@ -141,7 +137,7 @@ def build_loop(
     )
     driver: StepDriver = AsyncSteps(parts) if asynchronous else SyncSteps(parts)
     checkpoints = RunCheckpoints(
-        config, state, store, clients, source, recorder, roster, train_phase, boundary
+        config, state, store, clients, source, recorder, table, train_phase
     )
     return GrpoLoop(parts, driver, checkpoints, Evaluator(config))
 
@@ -176,31 +172,29 @@ class KubeWatchServer:
         self.watch.stop()
 
 
-def build_scaling(
-    config: RunConfig, registry: MemberRegistry
-) -> tuple[PodRoster, ReplicaScaler, KubeWatch | None]:
+def build_scaling(config: RunConfig, table: PodTable) -> tuple[ReplicaScaler, KubeWatch | None]:
     """In a cluster (``KubeWatchConfig.build()``): the watch of the worker StatefulSet and its
-    pods tells the roster the desired count and the terminating pods, and the scaler patches
+    pods tells the pod table the desired count and the terminating pods, and the scaler patches
     ``statefulsets/scale``. Outside one: the count is held here (``controller.worker_pods``
-    at start) and the local launcher follows it; the roster runs on membership alone."""
+    at start) and the local launcher follows it; the table runs on membership alone."""
     kube = KubeWatchConfig.build()
     scaler = build_scaler(kube, config.controller.worker_pods)
     if kube is None:
-        return PodRoster(registry, desired_replicas=scaler.desired_replicas), scaler, None
+        table.follow_cluster(scaler.desired_replicas)
+        return scaler, None
     watch = KubeWatch(kube)
-    roster = PodRoster(
-        registry,
+    table.follow_cluster(
         desired_replicas=lambda: watch.view().desired_replicas,
         terminating=lambda: watch.view().terminating,
     )
-    return roster, scaler, watch
+    return scaler, watch
 
 
 def build_spec(config: RunConfig) -> ServiceSpec:
     section = config.controller
-    registry = MemberRegistry(section.heartbeat_timeout_seconds)
-    roster, scaler, watch = build_scaling(config, registry)
-    state = RunState(config.name, registry, section.min_worker_pods, config.loop.steps, roster)
+    table = PodTable(section.heartbeat_timeout_seconds)
+    scaler, watch = build_scaling(config, table)
+    state = RunState(config.name, table, section.min_worker_pods, config.loop.steps)
     store = RunStore(config.run_dir / "controller.sqlite")
     servicer = ControllerServicer(state, section.heartbeat_interval_seconds)
     side_servers: list = [] if watch is None else [KubeWatchServer(watch)]
@@ -224,7 +218,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
         check_prompts_fit(config)  # a prompt too long for the model: exit 2, at start
         source = build_task_source(config.tasks)  # a bad task config fails here, at start
         stop = threading.Event()
-        runner = LoopRunner(build_loop(config, state, store, clients, source, roster, stop), stop)
+        runner = LoopRunner(build_loop(config, state, store, clients, source, table, stop), stop)
         side_servers.append(runner)
         on_drain.append(runner.stop)  # stop (and checkpoint) while workers can still answer
     return ServiceSpec(

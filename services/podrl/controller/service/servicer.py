@@ -13,7 +13,7 @@ import logging
 import grpc
 
 from podrl.common.auth import CONTROLLER, current_caller, worker_id_problem
-from podrl.controller.pods.membership import (
+from podrl.controller.pods.table import (
     COMPONENT_NAMES,
     STATE_NAMES,
     RegistrationError,
@@ -71,7 +71,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     ) -> controller_pb2.RegisterResponse:
         self._check_identity(request.worker_id, request.component, request.incarnation, context)
         try:
-            self._state.registry.register(
+            self._state.table.register(
                 request.worker_id, request.component, request.address, request.incarnation
             )
         except WorkerIdTakenError as err:
@@ -101,7 +101,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"state must be one of STARTING, SERVING, DRAINING, GONE (got {request.state})",
             )
-        known = self._state.registry.heartbeat(
+        known = self._state.table.heartbeat(
             request.worker_id,
             request.component,
             request.incarnation,
@@ -122,7 +122,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             context,
             controller_may_act_for_it=True,
         )
-        accepted = self._state.registry.drain(
+        accepted = self._state.table.drain(
             request.worker_id, request.component, request.incarnation
         )
         log.info(

@@ -5,14 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from podrl.controller.pods.membership import MemberRegistry
-
-if TYPE_CHECKING:
-    from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.v1 import controller_pb2
 
 _COMPONENT_BY_NAME = {"generator": 1, "grader": 2, "trainer": 3}
@@ -121,7 +118,7 @@ class StepView(BaseModel):
     step: int
     policy_version: int
     epoch: int | None = Field(
-        None, description="The roster's epoch the step was trained in (null: not known)."
+        None, description="The pod table's epoch the step was trained in (null: not known)."
     )
     pods: list[str] | None = Field(
         None, description="The pods whose trainers applied the step (null: not known)."
@@ -149,13 +146,13 @@ class RunState:
     def __init__(
         self,
         run_name: str,
-        registry: MemberRegistry,
+        table: PodTable,
         min_worker_pods: int,
         steps_total: int = 0,
-        roster: PodRoster | None = None,
     ) -> None:
         self.run_name = run_name
-        self.registry = registry
+        self.table = table
+        """Every pod fact and the epoch (status pages read them there)."""
         self.min_worker_pods = min_worker_pods
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -167,8 +164,6 @@ class RunState:
         self.steps_total = steps_total
         self.error: str | None = None
         self.last_checkpoint_error: dict[str, Any] | None = None
-        self.roster = roster
-        """The loop's pods and epoch (None: the controller runs no loop)."""
         self.last_eval: dict[str, Any] | None = None
         self.evaluations = 0
         self.rollout = RolloutView()
@@ -240,19 +235,15 @@ class RunState:
             self.evaluations = count
 
     def is_ready(self) -> bool:
-        return len(self.registry.healthy_pods()) >= self.min_worker_pods
+        return len(self.table.healthy_pods()) >= self.min_worker_pods
 
     def view(self) -> RunStatusView:
-        pods = self.registry.healthy_pods()
+        table = self.table
+        pods = table.healthy_pods()
         ready = len(pods) >= self.min_worker_pods
-        roster = self.roster
-        pod_views = (
-            [PodView(**{**vars(p), "state": p.state.value}) for p in roster.status()]
-            if roster
-            else []
-        )
-        epoch = roster.epoch if roster else 0
-        desired = roster.desired_replicas() if roster else None
+        pod_views = [PodView(**{**vars(p), "state": p.state.value}) for p in table.status()]
+        epoch = table.epoch
+        desired = table.desired_replicas()
         with self._lock:
             buffer_fill = self._buffer_fill
         buffer_steps, buffer_groups = buffer_fill()
@@ -272,7 +263,7 @@ class RunState:
                 epoch=epoch,
                 desired_replicas=desired,
                 pods=pod_views,
-                workers=[WorkerView(**vars(m)) for m in self.registry.members()],
+                workers=[WorkerView(**vars(m)) for m in table.members()],
                 phase_seconds=dict(self.phase_seconds),
                 last_step_metrics=dict(self.last_step_metrics),
                 steps_total=self.steps_total,

@@ -118,7 +118,7 @@ class AsyncSteps:
                     self.config.sampling,
                     self.parts.seed_for(step),
                     None,
-                    self.parts.boundary.generating,
+                    self.parts.table.generating(),
                 )
                 batch.seconds["generate"] = round(time.perf_counter() - start, 4)
                 metrics.PHASE_SECONDS.labels("generate").observe(batch.seconds["generate"])
@@ -130,7 +130,7 @@ class AsyncSteps:
         """Score a generated batch (no gate: the graders are not the generators)."""
         try:
             start = time.perf_counter()
-            self.parts.phases.score(batch.data, self.parts.roster.pods())
+            self.parts.phases.score(batch.data, self.parts.table.pods())
             batch.seconds["score"] = round(time.perf_counter() - start, 4)
             metrics.PHASE_SECONDS.labels("score").observe(batch.seconds["score"])
             check_score_errors(batch.data, self.config.max_score_error_rate)
@@ -145,7 +145,9 @@ class AsyncSteps:
         started with, as when a pod leaves mid-batch."""
         held = nullcontext() if self.parts.weights.in_flight else self.gate.loop()
         with held:
-            self.parts.timed("align", {}, lambda: self.parts.boundary.align(expected))
+            self.parts.timed(
+                "align", {}, lambda: self.parts.weights.align(self.parts.table, expected)
+            )
 
     def run_step(self, attempt: int) -> StepRecord | None:
         parts = self.parts

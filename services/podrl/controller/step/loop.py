@@ -1,8 +1,8 @@
 """The GRPO loop the controller runs: it sequences the parts, each in its module.
 
-One step (docs/controller.md), over the pods the roster admits at its start (pods/roster.py):
+One step (docs/controller.md), over the pods the pod table admits at its start (pods/table.py):
 
-    step boundary: admit pods, align their generators (boundary) → draw prompts →
+    step boundary: admit pods, align their generators (pod_calls) → draw prompts →
     generate and score, each pod its share (pod_calls) → batch over the whole step (batch) →
     Train on every pod at once, each its share (pod_calls) → samples.jsonl → weight sync
     inside each pod (pod_calls) → step record (recorder)
@@ -21,7 +21,7 @@ wake just before the weight sync (pod_calls: sleep_pods, wake_pods; align wakes 
 asleep by a failed attempt).
 
 Failure rules:
-- a pod lost or drained mid-step leaves the roster; what it returned is kept and the rest of
+- a pod lost or drained mid-step leaves the admitted pods; what it returned is kept and the rest of
   its share is done by the other pods in the same step (pod_calls);
 - generate / score fail otherwise, too many score errors, or Train answered "not applied": the
   attempt is thrown away whole and the step is retried from the same data position (the same
@@ -47,7 +47,7 @@ from podrl.common import faults
 from podrl.config import RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.pods.roster import PodRoster
+from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator, RunPhases
 from podrl.controller.records.recorder import StepRecorder
@@ -64,7 +64,6 @@ from podrl.controller.step.batch import (
     split_batch,
     train_request,
 )
-from podrl.controller.step.boundary import StepBoundary
 from podrl.controller.step.pod_calls import TrainOutcome, TrainPhase, WeightSync, WorkerPhases
 from podrl.controller.step_errors import (
     RunFailedError,
@@ -109,7 +108,7 @@ class TrainedStep:
     outcome: TrainOutcome | None
     """None when the batch was empty (no group with a learning signal: trained: false)."""
     epoch: int
-    """The roster's epoch the step was trained in."""
+    """The pod table's epoch the step was trained in."""
     version: int
     """The trainers' policy version after it."""
 
@@ -128,11 +127,10 @@ class StepParts:
         state: RunState,
         store: RunStore,
         source: TaskSource,
-        roster: PodRoster,
+        table: PodTable,
         phases: WorkerPhases,
         train_phase: TrainPhase,
         weights: WeightSync,
-        boundary: StepBoundary,
         recorder: StepRecorder,
         gate: GeneratorGate,
         pool: ThreadPoolExecutor,
@@ -143,11 +141,10 @@ class StepParts:
         self.state = state
         self.store = store
         self.source = source
-        self.roster = roster
+        self.table = table
         self.phases = phases
         self.train_phase = train_phase
         self.weights = weights
-        self.boundary = boundary
         self.recorder = recorder
         self.gate = gate
         """Who may use the generators; only async mode's producer contends for it."""
@@ -196,8 +193,8 @@ class StepParts:
         step_batch = StepBatchId(self.batch_prefix, step, attempt)
         batch_id = str(step_batch)
         if not batch.sequences:
-            return TrainedStep(batch, batch_id, None, self.roster.epoch, expected)
-        trainers = self.boundary.train_set()
+            return TrainedStep(batch, batch_id, None, self.table.epoch, expected)
+        trainers = self.table.train_set()
         if not trainers:
             raise StepFailedError("train", "no pod is left to train on")
 
@@ -205,7 +202,7 @@ class StepParts:
             # Every round of this step shares the prefix recorded as the step in flight:
             # a restart recognises any of them in a trainer's last_batch_id.
             shares = split_batch(batch.sequences, pod_ids)
-            self.roster.note_shares(sequences={p: len(s) for p, s in shares.items()})
+            self.table.note_shares(sequences={p: len(s) for p, s in shares.items()})
             return {
                 pod_id: train_request(
                     shares[pod_id],
@@ -221,7 +218,7 @@ class StepParts:
         if self.loop_config.generator_memory == "sleep_during_train":
             # The trainers get the generators' accelerator memory while they train;
             # sync_weights wakes the generators again (or the retry's align does).
-            self.timed("sleep", timings, lambda: self.weights.sleep_pods(self.roster.pods()))
+            self.timed("sleep", timings, lambda: self.weights.sleep_pods(self.table.pods()))
         self.store.set_pending(
             PendingStep(step, position_before, position_after, [i.id for i in data.items], batch_id)
         )
@@ -231,9 +228,7 @@ class StepParts:
             lambda: self.train_phase.train_pods(trainers, expected, requests_for),
         )
         faults.hit("controller.after_train", step=step)
-        return TrainedStep(
-            batch, batch_id, outcome, self.roster.epoch, outcome.reply.policy_version
-        )
+        return TrainedStep(batch, batch_id, outcome, self.table.epoch, outcome.reply.policy_version)
 
     def sync_weights(
         self, outcome: TrainOutcome | None, version: int, timings: dict[str, float]
@@ -243,10 +238,10 @@ class StepParts:
             return {}
         # Joining pods' generators get a full manifest (their first sync); their trainers
         # hold the run's version now, so they stop joining.
-        joining = self.roster.joining()
-        self.roster.note_trained(dict.fromkeys(outcome.replies, version))
-        synced = [pod for pod in self.roster.pods() if pod.id in outcome.replies]
-        lost = self.boundary.lost
+        joining = self.table.joining()
+        self.table.note_trained(dict.fromkeys(outcome.replies, version))
+        synced = [pod for pod in self.table.pods() if pod.id in outcome.replies]
+        lost = self.table.lost
         if self.loop_config.generator_memory == "sleep_during_train":
             woken = self.timed(
                 "wake",
@@ -256,7 +251,7 @@ class StepParts:
                 ),
             )
             for pod in [pod for pod in synced if pod.id not in woken]:
-                self.roster.drop(pod.id, "lost while its generator woke")
+                self.table.drop(pod.id, "lost while its generator woke")
                 synced.remove(pod)
         sync_seconds = self.timed(
             "sync",
@@ -271,9 +266,9 @@ class StepParts:
         )
         for pod in synced:
             if pod.id in sync_seconds:
-                self.roster.note_synced(pod, version)
+                self.table.note_synced(pod, version)
             else:
-                self.roster.drop(pod.id, "lost during the weight sync")
+                self.table.drop(pod.id, "lost during the weight sync")
         return sync_seconds
 
     def record(
@@ -328,7 +323,7 @@ class SyncSteps:
         expected = parts.state.policy_version
         position_before = self._position_before = parts.source.position()
         timings: dict[str, float] = {}
-        generating = parts.timed("align", {}, lambda: parts.boundary.align(expected))
+        generating = parts.timed("align", {}, lambda: parts.weights.align(parts.table, expected))
         data = StepSamples(items=parts.source.next_prompts(config.prompts_per_step))
         position_after = parts.source.position()
         seed = parts.seed_for(step)
@@ -337,7 +332,7 @@ class SyncSteps:
             timings,
             lambda: parts.phases.generate(step, data, config.sampling, seed, expected, generating),
         )
-        parts.timed("score", timings, lambda: parts.phases.score(data, parts.roster.pods()))
+        parts.timed("score", timings, lambda: parts.phases.score(data, parts.table.pods()))
         check_score_errors(data, config.max_score_error_rate)
         batch = parts.build_batch(data)
         trained = parts.train_batch(
@@ -421,9 +416,9 @@ class GrpoLoop:
         def run(data: StepSamples, sampling: SamplingConfig) -> None:
             version = self.state.policy_version
             with parts.gate.loop():  # async mode: between two of the producer's batches
-                pods = parts.boundary.align(version)
+                pods = parts.weights.align(parts.table, version)
                 parts.phases.generate(step, data, sampling, None, version, pods)
-            parts.phases.score(data, parts.roster.pods())
+            parts.phases.score(data, parts.table.pods())
 
         return run
 

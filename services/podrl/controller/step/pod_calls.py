@@ -2,7 +2,7 @@
 deadline on every call (:class:`WorkerClients`), the generate and score fan-outs over the step's
 pods (:class:`WorkerPhases`), the Train calls of a step (:class:`TrainPhase`) and the weight sync
 inside each pod (:class:`WeightSync`). Which pods take part is the pod table's
-(pods/roster.py); what the calls carry is step/batch.py's.
+(pods/table.py); what the calls carry is step/batch.py's.
 
 **Generate and score** (:class:`WorkerPhases`): fan-outs over the step's pods, and the checks
 that their replies are whole before anything is trained on them.
@@ -92,8 +92,7 @@ from podrl.common.grpc_options import open_channel
 from podrl.config.loop import SamplingConfig
 from podrl.config.transport import GrpcConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import Pod, PodRoster
+from podrl.controller.pods.table import Pod, PodTable
 from podrl.controller.step.batch import StepSamples, sample_id
 from podrl.controller.step_errors import (
     TRANSPORT_FAILURES,
@@ -216,22 +215,20 @@ class WorkerPhases:
         self,
         clients: WorkerClients,
         pool: ThreadPoolExecutor,
-        registry: MemberRegistry,
-        roster: PodRoster,
+        table: PodTable,
     ) -> None:
         self.clients = clients
         self.pool = pool
-        self.registry = registry
-        self.roster = roster
+        self.table = table
 
     def on_rpc_failure(self, address: str, err: grpc.RpcError) -> None:
         """A worker that cannot be reached is taken out until it heartbeats again."""
         if err.code() in POD_LOST:
-            self.registry.mark_unreachable(address)
+            self.table.mark_unreachable(address)
 
     def _pod_error(self, pod: Pod, what: str, address: str, err: grpc.RpcError) -> PodCallError:
         self.on_rpc_failure(address, err)
-        lost = err.code() in POD_LOST or not self.roster.usable(pod)
+        lost = err.code() in POD_LOST or not self.table.usable(pod)
         return PodCallError(pod, f"{what} {address}: {describe_rpc_error(err)}", lost)
 
     def _spread(
@@ -255,12 +252,12 @@ class WorkerPhases:
                 if not outcome.lost:
                     raise StepFailedError(phase, str(outcome)) from outcome
                 first_error = first_error or outcome
-                self.roster.drop(pod.id, f"{phase}: {outcome}")
+                self.table.drop(pod.id, f"{phase}: {outcome}")
                 live.remove(pod)
                 pending.extend(work)
             if not pending:
                 return
-            live = [pod for pod in live if self.roster.usable(pod)]
+            live = [pod for pod in live if self.table.usable(pod)]
             if not live:
                 assert first_error is not None
                 raise StepFailedError(phase, f"{first_error}; no pod left to take its share")
@@ -271,10 +268,10 @@ class WorkerPhases:
         """The pods still usable; the others leave the roster now (drained, terminating)."""
         kept = []
         for pod in pods:
-            if self.roster.usable(pod):
+            if self.table.usable(pod):
                 kept.append(pod)
             else:
-                self.roster.drop(pod.id, "draining, terminating or no longer healthy")
+                self.table.drop(pod.id, "draining, terminating or no longer healthy")
         return kept
 
     # -- generate ----------------------------------------------------------------------------
@@ -334,7 +331,7 @@ class WorkerPhases:
 
         chunks = split_round_robin(data.items, len(pods))
         self._spread("generate", list(zip(pods, chunks, strict=False)), call)
-        self.roster.note_shares(prompts=data.prompts_by_pod())
+        self.table.note_shares(prompts=data.prompts_by_pod())
         for item in data.items:
             group = data.samples.get(item.id, [])
             if len(group) != sampling.n:
@@ -1046,3 +1043,48 @@ class WeightSync:
             self.sync(pod, version, force_full=True)
         else:
             self._acknowledge(pod, self._clients.trainer(pod.trainer), version)
+
+    # -- the step boundary -------------------------------------------------------------------------
+    def align(self, table: PodTable, expected: int) -> list[Pod]:
+        """A step boundary over the pod table: admit the pods, ask each trainer its version
+        (one whose sync to ``expected`` succeeded since the last align, with the same processes,
+        is not asked), tell the joining ones (their trainer is behind and heals from a peer
+        inside its first Train; their generator is synced after it), and bring every other
+        pod's generator to ``expected``. The pods that generate."""
+        pods = table.admit()
+        if not pods:
+            raise StepFailedError("align", "no complete, healthy worker pod is registered")
+        for before in table.replaced(pods):  # a process restarted: fresh channels
+            for address in {before.trainer, before.generator, before.grader}:
+                self._clients.forget(address)
+        synced = table.take_synced()
+        settled = {pod.id for pod in pods if synced.get(pod.id) == (pod, expected)}
+        versions = self._trainer_versions(table, [pod for pod in pods if pod.id not in settled])
+        versions |= dict.fromkeys(settled, expected)
+        ready = table.settle_versions(versions, expected)
+        # A generator that restarted, or missed a sync while it was unreachable, is brought
+        # to the trainer's version first: its samples would be refused otherwise.
+        unsettled = [pod for pod in ready if pod.id not in settled]
+        outcomes = settle(
+            self._pool, [lambda p=p: self.bring_generator_to(p, expected) for p in unsettled]
+        )
+        for pod, outcome in zip(unsettled, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, StepFailedError) or not table.lost(pod):
+                    raise outcome
+                table.drop(pod.id, f"align: {outcome}")
+        return table.note_generating()
+
+    def _trainer_versions(self, table: PodTable, pods: list[Pod]) -> dict[str, int]:
+        """Each pod's trainer version (Info); a pod whose trainer does not answer leaves."""
+        infos = settle(
+            self._pool, [lambda p=p: trainer_info(self._clients, p.trainer) for p in pods]
+        )
+        versions = {}
+        for pod, info in zip(pods, infos, strict=True):
+            if isinstance(info, trainer_pb2.TrainerInfo):
+                versions[pod.id] = info.policy_version
+            else:
+                table.mark_unreachable(pod.trainer)
+                table.drop(pod.id, f"trainer {pod.trainer} does not answer Info")
+        return versions

@@ -1,30 +1,23 @@
-"""The roster keeps which pods are joining in one place, and asking for the lead pod admits
+"""The pod table keeps which pods are joining in one place, and asking for the lead pod admits
 none."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-from podrl.config.transport import GrpcConfig
-from podrl.controller.pods.membership import MemberRegistry
-from podrl.controller.pods.roster import PodPhase, PodRoster
-from podrl.controller.service.status import RunState
-from podrl.controller.step.boundary import StepBoundary
-from podrl.controller.step.pod_calls import WeightSync, WorkerClients
+from podrl.controller.pods.table import PodPhase, PodTable
 
 
-def _roster(*pods: str) -> PodRoster:
-    registry = MemberRegistry(heartbeat_timeout_seconds=60)
+def _roster(*pods: str) -> PodTable:
+    roster = PodTable(heartbeat_timeout_seconds=60)
     for n, pod in enumerate(pods):
         for component in (1, 2, 3):
-            registry.register(pod, component, f"127.0.0.1:{50000 + 10 * n + component}", "inc")
-    return PodRoster(registry)
+            roster.register(pod, component, f"127.0.0.1:{50000 + 10 * n + component}", "inc")
+    return roster
 
 
 def test_joining_is_set_by_the_aligns_versions_and_cleared_once_the_trainer_trained() -> None:
     roster = _roster("pod-0", "pod-1")
     roster.admit()
-    roster.note_versions({"pod-0": 3, "pod-1": 1}, expected=3)
+    roster.settle_versions({"pod-0": 3, "pod-1": 1}, expected=3)
     assert roster.joining() == {"pod-1"}
     states = {row.id: row.state for row in roster.status()}
     assert states == {"pod-0": PodPhase.TRAINING, "pod-1": PodPhase.JOINING}
@@ -35,14 +28,9 @@ def test_joining_is_set_by_the_aligns_versions_and_cleared_once_the_trainer_trai
 
 def test_asking_for_the_lead_pod_admits_none() -> None:
     roster = _roster("pod-0", "pod-1")
-    state = RunState("lead", roster.registry, 1, roster=roster)
-    clients = WorkerClients(GrpcConfig())
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        boundary = StepBoundary(state, roster, clients, pool, WeightSync(clients, pool))
-        assert boundary.lead().id == "pod-0"
+    assert roster.lead().id == "pod-0"
     # Before, an empty roster admitted the pods here: a new epoch outside any step boundary.
     assert roster.epoch == 0 and roster.pods() == []
-    clients.close()
 
 
 def test_the_roster_remembers_syncs_until_the_next_align_and_which_pods_were_replaced() -> None:
@@ -53,7 +41,7 @@ def test_the_roster_remembers_syncs_until_the_next_align_and_which_pods_were_rep
     assert roster.take_synced() == {"pod-0": (pod, 4)}
     assert roster.take_synced() == {}  # one align reads them: a retry's align asks again
     # The trainer restarted under the same worker id: the pod as admitted before is stale.
-    roster.registry.register("pod-0", 3, "127.0.0.1:50003", "inc-2")
+    roster.register("pod-0", 3, "127.0.0.1:50003", "inc-2")
     [again] = roster.admit()
     assert again != pod and roster.replaced([again]) == [pod]
     assert roster.replaced([again]) == []
