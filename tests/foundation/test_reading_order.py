@@ -61,7 +61,7 @@ def _table_row(path: str) -> tuple[int, int]:
 
 def test_every_file_the_reading_order_names_exists() -> None:
     named = set(PATH.findall(_section()))
-    assert len(named) > 60
+    assert len(named) > 20  # the path regex still finds the lists
     missing = sorted(
         name
         for name in named

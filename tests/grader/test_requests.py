@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from podrl.grader.requests import build_score_item
-from podrl.tasks.base import PromptItem
+from podrl.tasks.task_stream import PromptItem
 
 
 def test_build_score_item_copies_the_item_and_keeps_the_callers_id() -> None:

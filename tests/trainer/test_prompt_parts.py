@@ -14,7 +14,7 @@ import yaml
 from podrl.config import ConfigError, RunConfig, load_config
 from podrl.controller.records.evaluation import Evaluator
 from podrl.tasks import build_task_source
-from podrl.tasks.split import part_of
+from podrl.tasks.task_stream import part_of
 from podrl.trainer.warm_start import warm_start_source
 
 REPO = Path(__file__).resolve().parents[2]

@@ -120,7 +120,8 @@ class SplitConfig(Section):
     A prompt's part is fixed by a hash of the task name and the prompt text (``u`` in [0, 1)):
     ``u < eval`` is the evaluation part, ``eval <= u < eval + warm_start`` the warm-start part,
     the rest the RL training part. Seeds pick which prompts a stream draws, never which part a
-    prompt is in, so the three parts share no prompt text whatever the seeds (podrl.tasks.split).
+    prompt is in, so the three parts share no prompt text whatever the seeds
+    (podrl.tasks.task_stream.part_of).
     """
 
     eval: float = Field(

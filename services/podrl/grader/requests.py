@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from podrl.tasks.base import PromptItem
+from podrl.tasks.task_stream import PromptItem
 from podrl.v1 import grader_pb2
 
 

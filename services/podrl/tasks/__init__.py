@@ -6,10 +6,15 @@ saved = source.position()               # JSON-serialisable dict
 source.restore(saved)                   # continue exactly there
 """
 
-from podrl.tasks.base import PositionError, PromptItem, TaskSource
 from podrl.tasks.factory import build_task_source
-from podrl.tasks.mixture import TaskMixture
-from podrl.tasks.templates import PromptTemplate, TemplateError
+from podrl.tasks.task_stream import (
+    PositionError,
+    PromptItem,
+    PromptTemplate,
+    TaskMixture,
+    TaskSource,
+    TemplateError,
+)
 
 __all__ = [
     "PositionError",

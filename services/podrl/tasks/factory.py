@@ -11,12 +11,14 @@ from podrl.config.tasks import (
     TaskConfig,
     TasksConfig,
 )
-from podrl.tasks.base import derive_seed
-from podrl.tasks.mixture import TaskMixture
-from podrl.tasks.records import RecordStream
-from podrl.tasks.split import Part
-from podrl.tasks.task_stream import TaskStream
-from podrl.tasks.templates import TemplateError
+from podrl.tasks.task_stream import (
+    Part,
+    RecordStream,
+    TaskMixture,
+    TaskStream,
+    TemplateError,
+    derive_seed,
+)
 
 
 def build_records(config: TaskConfig, seed: int, field: str) -> RecordStream:

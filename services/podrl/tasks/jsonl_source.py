@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from podrl.config.tasks import JsonlSourceConfig
-from podrl.tasks.records import Record, RecordStream
+from podrl.tasks.task_stream import Record, RecordStream
 
 
 class JsonlRecords(RecordStream):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from podrl.config.tasks import ProceduralSourceConfig
-from podrl.tasks.records import Record, RecordStream
+from podrl.tasks.task_stream import Record, RecordStream
 
 
 class ProceduralRecords(RecordStream):

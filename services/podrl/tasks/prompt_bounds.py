@@ -14,8 +14,7 @@ from __future__ import annotations
 from podrl.config import ConfigError, RunConfig
 from podrl.config.tasks import ProceduralSourceConfig, TaskConfig
 from podrl.tasks.procedural import ProceduralRecords
-from podrl.tasks.task_stream import TaskStream
-from podrl.tasks.templates import TemplateError
+from podrl.tasks.task_stream import TaskStream, TemplateError
 
 PROMPT_SPECIAL_TOKENS = 4
 """Tokens a tokenizer may add to a prompt besides its text (BOS, a SentencePiece word prefix)."""

@@ -13,8 +13,7 @@ import json
 from typing import Any
 
 from podrl.config.tasks import ReasoningGymSourceConfig
-from podrl.tasks.base import derive_seed
-from podrl.tasks.records import Record, RecordStream
+from podrl.tasks.task_stream import Record, RecordStream, derive_seed
 
 ENTRY_KEY = "reasoning_gym_entry"
 """Metadata key holding the dataset entry as JSON; the reasoning_gym reward scores with it."""

@@ -8,12 +8,12 @@ generator then load.
 
 What the warm-start sees: the **warm-start part** of each task's prompt space
 (``tasks.definitions[i].split.warm_start``). The parts are fixed by a hash of the prompt text
-(``podrl.tasks.split``), so the warm-start shares no prompt with the RL stream (the training
-part) or the evaluation prompts (the eval part), whatever the seeds. A task without a warm-start
-part lends it its training part, drawn by a stream of its own (:func:`warm_start_tasks`: every
-task reseeded from its run seed, whether the task sets ``seed`` itself or derives it from
-``tasks.seed``); over a small prompt space (e.g. 155 copy prompts) such a stream still draws
-prompt texts of the RL stream, so give every task a ``split.warm_start`` to keep them apart.
+(``podrl.tasks.task_stream.part_of``), so the warm-start shares no prompt with the RL stream (the
+training part) or the evaluation prompts (the eval part), whatever the seeds. A task without a
+warm-start part lends it its training part, drawn by a stream of its own (:func:`warm_start_tasks`:
+every task reseeded from its run seed, whether the task sets ``seed`` itself or derives it from
+``tasks.seed``); over a small prompt space (e.g. 155 copy prompts) such a stream still draws prompt
+texts of the RL stream, so give every task a ``split.warm_start`` to keep them apart.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from podrl.config import RunConfig
 from podrl.config.tasks import TasksConfig
 from podrl.tasks import TaskMixture, build_task_source
-from podrl.tasks.base import derive_seed
 from podrl.tasks.factory import task_seed
+from podrl.tasks.task_stream import derive_seed
 from podrl.trainer.parallel import wants_cuda
 
 

@@ -1,10 +1,10 @@
 """Held-out evaluation: how well the policy answers prompts it never trains on.
 
 ``loop.eval_prompts`` distinct prompts are drawn once, at start, from the tasks' evaluation parts
-(``tasks.definitions[i].split.eval``, or a task's ``eval_source``; ``podrl.tasks.split``), so
-every evaluation asks the same questions and the RL stream (the training parts) never holds one
-of them. The training source is not touched: a run with evaluation draws exactly the training
-prompts of the same run without it.
+(``tasks.definitions[i].split.eval``, or a task's ``eval_source``;
+``podrl.tasks.task_stream.part_of``), so every evaluation asks the same questions and the RL stream
+(the training parts) never holds one of them. The training source is not touched: a run with
+evaluation draws exactly the training prompts of the same run without it.
 
 An evaluation generates one greedy completion per prompt (temperature 0, top-p 1, no top-k,
 ``n = 1``, the loop's ``max_tokens`` and ``stop``) on the generators, which serve the trainer's
