@@ -17,7 +17,6 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.config.tasks import TasksConfig
-from podrl.grader.requests import build_score_item
 from podrl.tasks import build_task_source
 from podrl.v1 import grader_pb2, grader_pb2_grpc
 from tests.foundation.run_secret import authed_channel
@@ -75,11 +74,8 @@ def test_scores_task_items_and_stops_cleanly_on_sigterm(grader_process) -> None:
     process, channel = grader_process
     items = build_task_source(TasksConfig.model_validate({"definitions": [DEMO_TASK]}))
     drawn = items.next_prompts(20)
-    right = [
-        build_score_item(item, item.target + "junk after the stop", f"{item.id}#0")
-        for item in drawn
-    ]
-    wrong = [build_score_item(item, "x\n", f"{item.id}#1") for item in drawn]
+    right = [item.score_item(item.target + "junk after the stop", f"{item.id}#0") for item in drawn]
+    wrong = [item.score_item("x\n", f"{item.id}#1") for item in drawn]
     plugin = grader_pb2.ScoreItem(id="plugin#0", task="plugin", completion="7", reference="7")
     reply = grader_pb2_grpc.GraderStub(channel).Score(
         grader_pb2.ScoreRequest(items=[*right, *wrong, plugin]), timeout=30

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from podrl.config.tasks import SplitConfig, TaskConfig
+from podrl.v1 import grader_pb2
 
 # ---- the items and the interface of a stream -------------------------------------------------
 
@@ -44,6 +45,23 @@ class PromptItem:
     """The ideal completion (the task's target_template over the reference) for warm-starts."""
     metadata: dict[str, str] = field(default_factory=dict)
     """Strings forwarded as ScoreItem.metadata (reward functions may read them)."""
+
+    def score_item(self, completion: str, sample_id: str) -> grader_pb2.ScoreItem:
+        """The ScoreItem asking the grader to score ``completion`` of this item.
+
+        ``sample_id`` names this one completion; the grader echoes it in ``ItemScore.id``, which
+        is how the caller maps each reply back (the controller passes its per-sample id,
+        ``"{item.id}#{index}"``). Prompt, reference, task and metadata come from the item, so the
+        grader sees exactly what the task source produced.
+        """
+        return grader_pb2.ScoreItem(
+            id=sample_id,
+            prompt=self.prompt,
+            completion=completion,
+            reference=self.reference,
+            task=self.task,
+            metadata=self.metadata,
+        )
 
 
 class TaskSource(ABC):

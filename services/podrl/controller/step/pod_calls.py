@@ -100,7 +100,6 @@ from podrl.controller.step_errors import (
     StepFailedError,
     describe_rpc_error,
 )
-from podrl.grader.requests import build_score_item
 from podrl.tasks import PromptItem
 from podrl.v1 import (
     common_pb2,
@@ -363,7 +362,7 @@ class WorkerPhases:
             raise StepFailedError("score", "no healthy pod can score (none left)")
         items_by_prompt = {
             item.id: [
-                build_score_item(item, sample.text, sample_id(item.id, sample.index))
+                item.score_item(sample.text, sample_id(item.id, sample.index))
                 for sample in data.samples[item.id]
             ]
             for item in data.items

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from podrl.grader.requests import build_score_item
-from podrl.tasks.task_stream import PromptItem
+from podrl.tasks import PromptItem
 
 
-def test_build_score_item_copies_the_item_and_keeps_the_callers_id() -> None:
+def test_score_item_copies_the_item_and_keeps_the_callers_id() -> None:
     item = PromptItem(
         id="add/17",
         task="add",
@@ -15,7 +14,7 @@ def test_build_score_item_copies_the_item_and_keeps_the_callers_id() -> None:
         target="8\n",
         metadata={"a": "3", "b": "5"},
     )
-    request = build_score_item(item, "8\nrest", "add/17#3")
+    request = item.score_item("8\nrest", "add/17#3")
     assert request.id == "add/17#3"
     assert (request.prompt, request.completion, request.reference, request.task) == (
         "3+5=",
