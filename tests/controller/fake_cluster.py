@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import RunStore
 from podrl.controller.service.main import build_loop
 from podrl.controller.service.status import RunState
 from podrl.controller.step.pod_calls import WorkerClients

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from podrl.common.processes import free_port
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import RunStore
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 

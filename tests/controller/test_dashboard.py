@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import RunStore, StepRecord
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
 from tests.harness.chromium import chromium, needs_chromium

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from podrl.controller import loop_metrics
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import RunStore, StepRecord
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RolloutView, RunState
 from tests.controller.rest_server import served_rest_app

@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 
 from podrl.config.loop import DriftWarningsConfig
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.drift import drift_warnings
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import RunStore, StepRecord, drift_warnings
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
@@ -39,7 +38,7 @@ DRIFT = {
 
 def _drifting_run(tmp_path: Path, last_mismatch: float) -> tuple[RunState, RunStore]:
     """Three trained steps; the last one's mismatch KL is ``last_mismatch`` and its grad norm
-    unknown. The warnings come as the recorder makes them (records/drift.py)."""
+    unknown. The warnings come as the recorder makes them (records/recorder.py's drift_warnings)."""
     registry = PodTable(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")

@@ -16,7 +16,7 @@ import uvicorn
 
 from podrl.common.processes import free_ports
 from podrl.controller.pods.table import MemberView, PodTable
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import RunStore, StepRecord
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from tests.harness.chromium import chromium, needs_chromium

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.evaluation import EVALS_KEY
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import EVALS_KEY, RunStore
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
 from tests.harness.chromium import chromium, needs_chromium

@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 
 from podrl.config import RunConfig
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.evaluation import EVALS_KEY, greedy_sampling, score_evaluation
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.evaluation import greedy_sampling, score_evaluation
+from podrl.controller.records.recorder import EVALS_KEY, RunStore
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import StepSamples, sample_id

@@ -10,9 +10,13 @@ import pytest
 
 from podrl.config import RunConfig
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.recorder import TRAIN_METRICS, StepRecorder
-from podrl.controller.records.resume import RecoveredStep
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import (
+    TRAIN_METRICS,
+    RecoveredStep,
+    RunStore,
+    StepRecord,
+    StepRecorder,
+)
 from podrl.controller.service.status import RunState
 from podrl.v1 import trainer_pb2
 

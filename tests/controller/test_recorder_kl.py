@@ -9,9 +9,7 @@ import pytest
 
 from podrl.config import RunConfig
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.recorder import StepRecorder
-from podrl.controller.records.resume import RecoveredStep
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import RecoveredStep, RunStore, StepRecorder
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import StepSamples, TrainBatch
 from podrl.controller.step.pod_calls import TrainOutcome

@@ -9,7 +9,7 @@ import pytest
 
 from podrl.cli.run_progress import fetch_all_steps
 from podrl.controller.pods.table import PodTable
-from podrl.controller.records.run_store import RunStore, StepRecord
+from podrl.controller.records.recorder import RunStore, StepRecord
 from podrl.controller.service.status import RunState
 from tests.controller.rest_server import served_rest_app
 

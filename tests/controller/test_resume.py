@@ -11,6 +11,7 @@ import pytest
 
 from podrl.config.tasks import TasksConfig
 from podrl.controller.records.checkpoint_files import STATE_FILE, newest_checkpoint
+from podrl.controller.records.recorder import PendingStep, RunStore, StepRecord
 from podrl.controller.records.resume import (
     ControllerState,
     ResumeError,
@@ -18,7 +19,6 @@ from podrl.controller.records.resume import (
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
 from podrl.tasks import build_task_source
 from podrl.v1 import trainer_pb2
 

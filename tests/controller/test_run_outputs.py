@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from podrl.controller.records.run_outputs import SampleLog
+from podrl.controller.records.recorder import SampleLog
 
 
 def test_forgetting_steps_removes_their_rows_and_nothing_else(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
+from podrl.controller.records.recorder import PendingStep, RunStore, StepRecord
 
 
 def test_steps_pending_and_values_survive_a_reopen(tmp_path: Path) -> None:

@@ -14,8 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from podrl.config import ConfigError, RunConfig
-from podrl.controller.records.run_store import StepRecord
-from podrl.controller.records.tracking import Tracker, eval_scalars, step_scalars
+from podrl.controller.records.recorder import StepRecord, Tracker, eval_scalars, step_scalars
 
 
 def _config(run_dir: Path, **tracking: Any) -> RunConfig:
@@ -121,7 +120,7 @@ def test_the_writer_loads_no_torch(tmp_path: Path) -> None:
         "import sys\n"
         "from pathlib import Path\n"
         "from podrl.config import RunConfig\n"
-        "from podrl.controller.records.tracking import Tracker\n"
+        "from podrl.controller.records.recorder import Tracker\n"
         f"config = RunConfig.model_validate({{'run_dir': {str(tmp_path)!r}}})\n"
         "tracker = Tracker(config)\n"
         "tracker.open(0, 'x')\n"

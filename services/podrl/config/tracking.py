@@ -3,7 +3,7 @@
 Every step's and every evaluation's figures (rewards, held-out accuracy, loss, KL, entropy,
 clip fraction, grad norm, phase times, tokens/s, weight-sync ms) go to TensorBoard event files
 under the run directory, and to Weights & Biases when ``tracking.wandb`` is set
-(``podrl.controller.records.tracking``).
+(``podrl.controller.records.recorder``).
 """
 
 from __future__ import annotations

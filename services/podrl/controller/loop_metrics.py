@@ -103,3 +103,14 @@ DRIFT_WARNINGS = Counter(
     "(high: above the max, low: below the min).",
     ["figure", "side"],
 )
+
+# Held-out evaluations (records/evaluation.py).
+EVAL_ACCURACY = Gauge(
+    "podrl_eval_accuracy", "Held-out accuracy of the last evaluation (reward >= pass_threshold)."
+)
+EVAL_REWARD = Gauge("podrl_eval_reward_mean", "Mean reward of the last evaluation.")
+EVAL_STEP = Gauge("podrl_eval_step", "Step after which the last evaluation ran (0 = before).")
+EVAL_TASK_ACCURACY = Gauge(
+    "podrl_eval_task_accuracy", "Held-out accuracy of the last evaluation, by task.", ["task"]
+)
+EVALS = Gauge("podrl_evaluations", "Evaluations recorded in this run.")

@@ -17,14 +17,13 @@ import grpc
 from podrl.config import RunConfig
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpoint_files import checkpoint_folder, newest_checkpoint
-from podrl.controller.records.recorder import CHECKPOINT_ERROR_KEY, StepRecorder
+from podrl.controller.records.recorder import CHECKPOINT_ERROR_KEY, RunStore, StepRecorder
 from podrl.controller.records.resume import (
     ControllerState,
     TrainerState,
     choose_checkpoint,
     plan_resume,
 )
-from podrl.controller.records.run_store import RunStore
 from podrl.controller.service.status import RunState
 from podrl.controller.step.pod_calls import TrainPhase, WorkerClients
 from podrl.controller.step_errors import RunFailedError, StepFailedError, describe_rpc_error

@@ -36,33 +36,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
 from podrl.config import ConfigError, RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.config.tasks import TasksConfig
-from podrl.controller.records.run_outputs import SampleLog
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import SampleLog
 from podrl.controller.step.batch import StepSamples, is_valid
 from podrl.controller.step_errors import StepFailedError
 from podrl.tasks import PromptItem, build_task_source
 from podrl.v1 import common_pb2, grader_pb2
 
 log = logging.getLogger(__name__)
-
-#: RunStore key of the list of evaluation records, in order.
-EVALS_KEY = "evaluations"
-
-EVAL_ACCURACY = Gauge(
-    "podrl_eval_accuracy", "Held-out accuracy of the last evaluation (reward >= pass_threshold)."
-)
-EVAL_REWARD = Gauge("podrl_eval_reward_mean", "Mean reward of the last evaluation.")
-EVAL_STEP = Gauge("podrl_eval_step", "Step after which the last evaluation ran (0 = before).")
-EVAL_TASK_ACCURACY = Gauge(
-    "podrl_eval_task_accuracy", "Held-out accuracy of the last evaluation, by task.", ["task"]
-)
-EVALS = Gauge("podrl_evaluations", "Evaluations recorded in this run.")
 
 
 class EvalView(BaseModel):
@@ -98,11 +83,6 @@ def greedy_sampling(sampling: SamplingConfig) -> SamplingConfig:
         max_tokens=sampling.max_tokens,
         stop=list(sampling.stop),
     )
-
-
-def stored_evaluations(store: RunStore) -> list[dict[str, Any]]:
-    """Every evaluation recorded in the run store, in order."""
-    return list(store.get(EVALS_KEY, []))
 
 
 def _mean(values: list[float]) -> float | None:
@@ -174,7 +154,6 @@ class Evaluator:
     def __init__(self, config: RunConfig) -> None:
         loop = config.loop
         self.enabled = loop.eval_prompts > 0
-        self.every = loop.eval_every
         self.attempts = loop.max_step_attempts
         self.sampling = greedy_sampling(loop.sampling)
         self._thresholds = {task.name: task.pass_threshold for task in config.tasks.definitions}
@@ -184,10 +163,6 @@ class Evaluator:
             distinct_prompts(config.tasks, loop.eval_prompts) if self.enabled else []
         )
         self.samples = SampleLog(config.run_dir, "eval_samples.jsonl")
-
-    def due_after(self, step: int) -> bool:
-        """Whether an evaluation belongs after ``step`` (0: before the first step)."""
-        return self.enabled and (step == 0 or bool(self.every and step % self.every == 0))
 
     def evaluate(
         self,
@@ -260,20 +235,6 @@ class Evaluator:
             }
 
         self.samples.write(row(item, sample) for item, sample in data.all_samples())
-
-
-def publish_evaluation(evaluation: dict[str, Any], count: int) -> None:
-    """The evaluation's figures on /metrics (an evaluation without figures changes nothing)."""
-    EVALS.set(count)
-    if evaluation.get("accuracy") is None:
-        return
-    EVAL_ACCURACY.set(evaluation["accuracy"])
-    EVAL_STEP.set(evaluation["step"])
-    if evaluation.get("reward_mean") is not None:
-        EVAL_REWARD.set(evaluation["reward_mean"])
-    for task, figures in evaluation.get("by_task", {}).items():
-        if figures.get("accuracy") is not None:
-            EVAL_TASK_ACCURACY.labels(task).set(figures["accuracy"])
 
 
 def _fmt(value: float | None) -> str:

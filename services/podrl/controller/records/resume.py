@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from podrl.controller.records.run_store import PendingStep, StepRecord
+from podrl.controller.records.recorder import PendingStep, RecoveredStep, StepRecord
 from podrl.controller.step.batch import names_step_batch
 from podrl.controller.step_errors import RunFailedError
 from podrl.v1 import trainer_pb2
@@ -83,19 +83,6 @@ class TrainerState:
     policy_version: int
     last_batch_id: str = ""
     last_train: trainer_pb2.TrainResponse | None = None
-
-
-@dataclass(frozen=True)
-class RecoveredStep:
-    """The step in flight was trained but the controller died before recording it."""
-
-    step: int
-    policy_version: int
-    position_after: dict[str, Any]
-    prompt_ids: list[str]
-    batch_id: str
-    train_reply: trainer_pb2.TrainResponse | None
-    """The trainer's reply to that batch when its last_batch_id names it; None = unknown."""
 
 
 @dataclass(frozen=True)

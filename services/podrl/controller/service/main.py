@@ -19,8 +19,7 @@ from podrl.controller.pods.scaling import ReplicaScaler, build_scaler
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator
-from podrl.controller.records.recorder import StepRecorder
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.recorder import RunStore, StepRecorder
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.servicer import ControllerServicer

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 import podrl
 from podrl.common.auth import REST_CHANGE_ROLES, Caller, RunSecret
 from podrl.controller.pods.scaling import ReplicaScaler, ScaleError
-from podrl.controller.records.evaluation import EvalView, stored_evaluations
-from podrl.controller.records.run_store import RunStore
+from podrl.controller.records.evaluation import EvalView
+from podrl.controller.records.recorder import RunStore, stored_evaluations
 from podrl.controller.service.status import RunState, RunStatusView, StepView, WorkerView
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.records.run_store import StepRecord
+from podrl.controller.records.recorder import StepRecord
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.rollout.producer import (
     RolloutProducer,

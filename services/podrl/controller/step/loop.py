@@ -50,8 +50,7 @@ from podrl.controller import loop_metrics as metrics
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator, RunPhases
-from podrl.controller.records.recorder import StepRecorder
-from podrl.controller.records.run_store import PendingStep, RunStore, StepRecord
+from podrl.controller.records.recorder import PendingStep, RunStore, StepRecord, StepRecorder
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import (
@@ -422,14 +421,25 @@ class GrpoLoop:
 
         return run
 
+    def _eval_due(self, step: int, when: str) -> bool:
+        """Whether an evaluation belongs after ``step`` (0: before the first step): with
+        ``loop.eval_prompts``, then, every ``loop.eval_every``-th step and at the end. Decided
+        here, from the config, so that a step after which none is due runs no evaluation code."""
+        config = self.loop_config
+        if config.eval_prompts <= 0:
+            return False
+        return (
+            when == "final"
+            or step == 0
+            or bool(config.eval_every and step % config.eval_every == 0)
+        )
+
     def evaluate_after(self, step: int, when: str) -> None:
         """The evaluation that belongs after ``step`` (0 = before the first), unless it is
         recorded already (a resumed run). It never trains and never draws from the run's
         task source."""
         stop = self.parts.stop
-        if stop.is_set() or self.recorder.has_eval_after(step):
-            return
-        if not (self.evaluator.due_after(step) or (when == "final" and self.evaluator.enabled)):
+        if stop.is_set() or not self._eval_due(step, when) or self.recorder.has_eval_after(step):
             return
         version = self.state.policy_version
         record = self.parts.timed(
