@@ -75,7 +75,8 @@ OPEN_SERVICES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 
-#: Methods only the controller may call: they change what is trained, served or stored.
+#: Methods only the controller may call: they change what is trained, served or stored, or
+#: play an episode (the episode runner is the controller's).
 CONTROLLER_ONLY = frozenset(
     {
         "/podrl.v1.Trainer/Train",
@@ -87,6 +88,9 @@ CONTROLLER_ONLY = frozenset(
         "/podrl.v1.Generator/ApplyWeights",
         "/podrl.v1.Generator/Sleep",
         "/podrl.v1.Generator/WakeUp",
+        "/podrl.v1.Environment/Reset",
+        "/podrl.v1.Environment/Step",
+        "/podrl.v1.Environment/Close",
     }
 )
 

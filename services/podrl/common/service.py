@@ -97,7 +97,8 @@ class ServiceSpec:
     section: ServiceSection
     add_servicers: Callable[[grpc.Server], None]
     component: int | None = None
-    """controller_pb2.Component to register as; None for the controller itself."""
+    """controller_pb2.Component to register as; None: not registered (the controller itself,
+    and the environment service, which the controller does not track yet)."""
     details: dict[str, str] = field(default_factory=dict)
     side_servers: list[SideServer] = field(default_factory=list)
     policy_version: Callable[[], int] | None = None

@@ -48,6 +48,9 @@ The rules:
   (set fields are kept in either mode).
 * ``loop.eval_prompts`` needs a task with held-out prompts, and ``loop.eval_every`` needs
   ``loop.eval_prompts``.
+* ``environments.max_episode_tokens`` follows ``generator.max_model_len`` when unset and must
+  not exceed it: every turn of an episode is generated over the whole episode so far, so the
+  episode is one sequence of the model's length at most.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from podrl.config.environments import EnvironmentsConfig
 from podrl.config.generator import GeneratorConfig
 from podrl.config.loop import LoopConfig
 from podrl.config.tasks import TasksConfig
@@ -74,6 +78,7 @@ class CoupledSections(Protocol):
     trainer: TrainerConfig
     loop: LoopConfig
     tasks: TasksConfig
+    environments: EnvironmentsConfig
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ def apply_coupling_rules(config: CoupledSections) -> None:
     _request_size(config, problems)
     _cross_pod_backend(config, problems)
     _evaluation(config, problems)
+    _episode_length(config, problems)
     _off_policy(config)
     if problems:
         raise CoupledFieldsError(problems)
@@ -354,5 +360,22 @@ def _evaluation(config: CoupledSections, problems: list[CouplingProblem]) -> Non
                 ("loop.eval_every", "loop.eval_prompts"),
                 f"loop.eval_every is {loop.eval_every} but loop.eval_prompts is 0: set "
                 "loop.eval_prompts (prompts per evaluation) or loop.eval_every: 0",
+            )
+        )
+
+
+def _episode_length(config: CoupledSections, problems: list[CouplingProblem]) -> None:
+    environments, limit = config.environments, config.generator.max_model_len
+    if not _is_set(environments, "max_episode_tokens"):
+        environments.max_episode_tokens = limit
+    elif environments.max_episode_tokens > limit:
+        problems.append(
+            CouplingProblem(
+                ("environments.max_episode_tokens", "generator.max_model_len"),
+                f"an episode of environments.max_episode_tokens "
+                f"({environments.max_episode_tokens}) tokens does not fit "
+                f"generator.max_model_len ({limit}): each turn is generated over the whole "
+                "episode so far; lower environments.max_episode_tokens or raise "
+                "generator.max_model_len (within the model's context length)",
             )
         )

@@ -23,6 +23,7 @@ from podrl.config.auth import AuthConfig
 from podrl.config.base import Section, ServiceSection
 from podrl.config.controller import ControllerConfig
 from podrl.config.coupling import apply_coupling_rules
+from podrl.config.environments import EnvironmentsConfig
 from podrl.config.generator import GeneratorConfig
 from podrl.config.grader import GraderConfig
 from podrl.config.loop import LoopConfig, SamplingConfig
@@ -34,6 +35,7 @@ from podrl.config.transport import GrpcConfig, LogConfig
 __all__ = [
     "AuthConfig",
     "ControllerConfig",
+    "EnvironmentsConfig",
     "GeneratorConfig",
     "GraderConfig",
     "GrpcConfig",
@@ -70,6 +72,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+    environments: EnvironmentsConfig = Field(default_factory=EnvironmentsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")

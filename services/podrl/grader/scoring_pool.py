@@ -18,6 +18,7 @@ import importlib
 import logging
 import math
 import multiprocessing
+import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -109,8 +110,13 @@ class WorkerPool:
         workers: int,
         start_method: str = "forkserver",
         preload: Sequence[str] = (),
+        memory_limit_mib: int | None = None,
     ) -> None:
+        """``memory_limit_mib`` caps each worker's address space (RLIMIT_AS): a job that maps
+        more gets MemoryError (JobFailure.EXCEPTION) instead of growing until the kernel's
+        out-of-memory killer picks a process, which may be the service itself."""
         self.workers = workers
+        self._memory_limit_mib = memory_limit_mib
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # The fork server imports these once; forked workers start with them loaded, so a
@@ -128,7 +134,12 @@ class WorkerPool:
             if self._pool is None or not self._pool.active:
                 if self._pool is not None:
                     log.warning("scoring pool stopped unexpectedly; starting a new one")
-                self._pool = ProcessPool(max_workers=self.workers, context=self._context)
+                self._pool = ProcessPool(
+                    max_workers=self.workers,
+                    context=self._context,
+                    initializer=_limit_memory if self._memory_limit_mib else None,
+                    initargs=(self._memory_limit_mib,),
+                )
             return self._pool
 
     def warm_up(self, timeout: float = 120.0) -> None:
@@ -266,6 +277,11 @@ class ScoringPool(WorkerPool):
             getattr(err, "traceback", ""),
         )
         return failed(grader_pb2.SCORE_ERROR_EXCEPTION, _describe(err))
+
+
+def _limit_memory(mib: int) -> None:
+    limit = mib * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def _import_modules(names: Sequence[str]) -> None:
