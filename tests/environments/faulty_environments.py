@@ -48,3 +48,14 @@ class Faulty(Environment):
 class NoStep:
     def reset(self, prompt: str, reference: str, metadata: Mapping[str, str], seed: int) -> str:
         return ""
+
+
+def _hidden_class() -> type:
+    class Hidden(Faulty):
+        pass
+
+    return Hidden
+
+
+#: A class that pickle cannot name (its qualified name is local to a function).
+HIDDEN = _hidden_class()

@@ -1,6 +1,7 @@
-"""The environments section: each limit refused with its field named, the episode length coupled
-to the model length, plug-ins and their params checked at start, and the service as its own
-process (a bad plug-in: exit 2 naming the field; SIGTERM: exit 0, its workers gone)."""
+"""The environments section: each limit refused with its field named (the episode length
+coupled to the model length: tests/foundation/test_config_coupling.py), plug-ins and their
+params checked at start, and the service as its own process (a bad plug-in: exit 2 naming the
+field; SIGTERM: exit 0, its workers gone)."""
 
 from __future__ import annotations
 
@@ -50,24 +51,6 @@ def test_each_limit_is_refused_naming_its_field(tmp_path: Path, field: str, valu
     assert f"PODRL_ENVIRONMENTS__{field.upper()}" in str(err.value)
 
 
-def test_episode_tokens_follow_the_model_length_and_must_fit_it(tmp_path: Path) -> None:
-    derived = load(tmp_path, {"generator": {"max_model_len": 2048}})
-    assert derived.environments.max_episode_tokens == 2048
-    kept = load(
-        tmp_path,
-        {"generator": {"max_model_len": 2048}, "environments": {"max_episode_tokens": 900}},
-    )
-    assert kept.environments.max_episode_tokens == 900
-    with pytest.raises(ConfigError) as err:
-        load(
-            tmp_path,
-            {"generator": {"max_model_len": 512}, "environments": {"max_episode_tokens": 600}},
-        )
-    message = str(err.value)
-    assert "environments.max_episode_tokens / generator.max_model_len" in message
-    assert "(600)" in message and "(512)" in message
-
-
 @pytest.mark.parametrize(
     ("section", "message"),
     [
@@ -81,6 +64,11 @@ def test_episode_tokens_follow_the_model_length_and_must_fit_it(tmp_path: Path) 
             "not such a class",
         ),
         ({"plugins": {"calculator": FAULTY}}, "'calculator' is a built-in environment"),
+        (
+            {"plugins": {"mine": "tests.environments.faulty_environments:HIDDEN"}},
+            "environments.plugins['mine']: 'tests.environments.faulty_environments:HIDDEN' "
+            "cannot be sent to a worker process",
+        ),
         ({"params": {"chess": {}}}, "environments.params: no environment is named ['chess']"),
         (
             {"params": {"guess_number": {"highest": 10}}},

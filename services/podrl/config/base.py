@@ -1,8 +1,13 @@
-"""Building blocks of the run config: strict sections and the shared service endpoint fields."""
+"""Building blocks of the run config: strict sections, the shared service endpoint fields and
+the check of plug-in import paths."""
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class Section(BaseModel):
@@ -28,3 +33,12 @@ class ServiceSection(Section):
     def address(self) -> str:
         """host:port other services dial."""
         return f"{self.advertise_host}:{self.grpc_port}"
+
+
+def check_import_paths(field: str, paths: dict[str, str], kind: str) -> dict[str, str]:
+    """``paths`` ({name: 'package.module:Attribute'}, plug-ins by name) as given, or ValueError
+    naming the first entry that is no import path of a ``kind`` (function, Class)."""
+    for name, path in paths.items():
+        if not _IMPORT_PATH.match(path):
+            raise ValueError(f"{field}[{name!r}]: {path!r} is not 'package.module:{kind}'")
+    return paths

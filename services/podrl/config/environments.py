@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from podrl.config.base import ServiceSection
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+from podrl.config.base import ServiceSection, check_import_paths
 
 #: The smallest worker memory cap: a worker's interpreter with pebble and podrl's environment
 #: module already maps about 80 MiB of address space (78 measured), so a lower cap fails every step.
@@ -93,7 +90,4 @@ class EnvironmentsConfig(ServiceSection):
     @field_validator("plugins")
     @classmethod
     def _import_paths(cls, plugins: dict[str, str]) -> dict[str, str]:
-        for name, path in plugins.items():
-            if not _IMPORT_PATH.match(path):
-                raise ValueError(f"plugins[{name!r}]: {path!r} is not 'package.module:Class'")
-        return plugins
+        return check_import_paths("plugins", plugins, "Class")

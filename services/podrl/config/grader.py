@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from podrl.config.base import ServiceSection
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+from podrl.config.base import ServiceSection, check_import_paths
 
 
 class GraderConfig(ServiceSection):
@@ -43,9 +40,4 @@ class GraderConfig(ServiceSection):
     @field_validator("reward_plugins")
     @classmethod
     def _import_paths(cls, plugins: dict[str, str]) -> dict[str, str]:
-        for name, path in plugins.items():
-            if not _IMPORT_PATH.match(path):
-                raise ValueError(
-                    f"reward_plugins[{name!r}]: {path!r} is not 'package.module:function'"
-                )
-        return plugins
+        return check_import_paths("reward_plugins", plugins, "function")
