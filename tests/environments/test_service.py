@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import psutil
 import pytest
+from prometheus_client import REGISTRY
 
 from podrl.v1 import common_pb2, environment_pb2, environment_pb2_grpc
 from tests.environments.conftest import FAULTY, RunningEnvironments
@@ -277,3 +278,35 @@ def test_max_sessions_and_idle_sessions(
         grpc.StatusCode.NOT_FOUND
     )
     assert step(small, "three", "<calc>2+2</calc>").observation == "<result>4</result>"
+
+
+def test_metrics_count_steps_tool_calls_and_failures(service: RunningEnvironments) -> None:
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {
+        "steps": sample("podrl_environment_steps_total", environment="calculator"),
+        "calls": sample("podrl_environment_tool_calls_total", environment="calculator"),
+        "tool_errors": sample("podrl_environment_tool_errors_total", environment="calculator"),
+        "raised": sample("podrl_environment_errors_total", environment="faulty", error="exception"),
+    }
+    reset(service, "counted", "calculator", reference="4")
+    step(service, "counted", "<calc>2+2</calc>")
+    step(service, "counted", "<calc>2/0</calc>")
+    reset(service, "counted-bad")
+    refused(lambda: step(service, "counted-bad", "RAISE"))
+    after = {
+        "steps": sample("podrl_environment_steps_total", environment="calculator"),
+        "calls": sample("podrl_environment_tool_calls_total", environment="calculator"),
+        "tool_errors": sample("podrl_environment_tool_errors_total", environment="calculator"),
+        "raised": sample("podrl_environment_errors_total", environment="faulty", error="exception"),
+    }
+    # One Reset and two Steps; two tool calls, one of them failed; one episode raised.
+    assert {key: after[key] - before[key] for key in after} == {
+        "steps": 3,
+        "calls": 2,
+        "tool_errors": 1,
+        "raised": 1,
+    }
+    assert sample("podrl_environment_sessions") >= 1
+    service.stub.Close(environment_pb2.CloseRequest(episode_id="counted"))

@@ -295,3 +295,17 @@ def test_async_mode_trains_with_the_decoupled_objective_and_token_mask(tmp_path:
         {"loop": {"mode": "async"}, "trainer": {"off_policy": {"mask": "sequence"}}},
     ).trainer.off_policy
     assert (sequence.correction, sequence.mask) == ("truncate", "sequence")
+
+
+def test_an_episode_fits_in_the_model_length(tmp_path: Path) -> None:
+    model = {"generator": {"max_model_len": 2048}}
+    assert _load(tmp_path, model).environments.max_episode_tokens == 2048
+    kept = _load(tmp_path, {**model, "environments": {"max_episode_tokens": 900}})
+    assert kept.environments.max_episode_tokens == 900
+    message = _refused(
+        tmp_path,
+        {"generator": {"max_model_len": 512}, "environments": {"max_episode_tokens": 600}},
+        "environments.max_episode_tokens",
+        "generator.max_model_len",
+    )
+    assert "(600)" in message and "(512)" in message
