@@ -193,7 +193,7 @@ class InProcessGrpo:
         from podrl.config import load_config
         from podrl.grader.rewards.registry import build_reward_plans
         from podrl.tasks import build_task_source
-        from podrl.trainer.schedule import lr_multiplier
+        from podrl.trainer.engine import lr_multiplier
 
         self.config = config = load_config(config_path, env={})
         trainer, self.sampling = config.trainer, config.loop.sampling

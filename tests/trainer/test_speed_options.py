@@ -10,8 +10,7 @@ import torch
 
 from podrl.config import load_config
 from podrl.trainer.batch import collate
-from podrl.trainer.engine import TrainerEngine
-from podrl.trainer.grad_norm import clip_grad_norm
+from podrl.trainer.engine import TrainerEngine, clip_grad_norm
 from tests.trainer.rank_worker import config_env, make_request
 
 

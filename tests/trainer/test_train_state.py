@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from podrl.trainer.train_state import TrainState
+from podrl.trainer.engine import TrainState
 from podrl.v1 import trainer_pb2
 
 

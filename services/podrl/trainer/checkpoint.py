@@ -4,8 +4,9 @@ A checkpoint is the trainer's state dict ``{model, optim, train_state}``
 (``TrainerEngine.state_dict``, the same dict a healing pod receives): a folder holds the DCP
 shards of the model and the optimizer (written by every rank, loadable at any world size: DCP
 reshards DTensors on load) plus ``trainer_state.json`` (rank 0): the train state (policy
-version, the LR scheduler's state, torch's RNG states: ``podrl.trainer.train_state``), the model
-folder the trainer started from and the controller's opaque blob (base64).
+version, the LR scheduler's state, torch's RNG states: ``podrl.trainer.engine``'s
+``TrainState``), the model folder the trainer started from and the controller's opaque blob
+(base64).
 
 Format 2 nests the train state under ``train_state``; format 1 (before the trainer kept one
 counter) held the same keys at the top level beside a ``step`` equal to ``policy_version``, and

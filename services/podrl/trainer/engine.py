@@ -2,15 +2,21 @@
 
 One engine lives on every trainer rank; rank 0 validates requests and drives the others through
 the rank command loop (``podrl.trainer.rank_commands``), every rank then calls the same engine
-method with the same arguments.
+method with the same arguments. The engine owns what the step changes besides the weights, with
+no other owner: the :class:`TrainState` (policy version, last applied Train, LR schedule, RNG;
+the learning rate's multiplier is :func:`lr_multiplier`) and the gradient norm that clips the
+step and the update size it reports (:func:`clip_grad_norm`, :func:`update_ratio`, correct for
+DTensor gradients on any mesh).
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from podrl.algorithms.losses import LossSettings, policy_loss
@@ -38,7 +45,6 @@ from podrl.trainer.batch import (
     validate_share,
 )
 from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
-from podrl.trainer.grad_norm import clip_grad_norm, snapshot_parameters, update_ratio
 from podrl.trainer.logprobs import (
     ChunkKernels,
     HeadRequest,
@@ -55,8 +61,6 @@ from podrl.trainer.parallel import (
     resolve_model_path,
 )
 from podrl.trainer.replication import CrossPodReplica, ReplicaStepError, parameters_digest
-from podrl.trainer.schedule import lr_multiplier
-from podrl.trainer.train_state import AppliedTrain, TrainState
 from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,212 @@ def never_cancelled() -> bool:
     """The cancellation of a command nobody can cancel (ranks > 0, direct calls)."""
     return False
 
+
+# -- the train state and the LR schedule ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AppliedTrain:
+    """The last Train this engine applied: its ``TrainRequest.batch_id`` ("" if it had none)
+    and its reply, kept so that a retry of the same batch is answered without a second step."""
+
+    batch_id: str
+    response: trainer_pb2.TrainResponse
+
+
+def _rng_text(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _rng_tensor(text: str) -> torch.Tensor:
+    data = bytearray(base64.b64decode(text.encode("ascii")))
+    return torch.frombuffer(data, dtype=torch.uint8).clone()
+
+
+class TrainState:
+    """The trainer's progress beside its model and optimizer, with one owner.
+
+    The engine owns one per rank; only its methods change it. It holds the policy version (the
+    number of optimizer steps applied: the trainer keeps no separate step counter), the last
+    applied Train and its reply, the LR schedule and torch's RNG states. :meth:`state_dict` is
+    what a checkpoint stores and a healing pod receives (``{"model", "optim", "train_state"}``,
+    see ``TrainerEngine.state_dict``); it is JSON-ready (RNG states as base64), so the checkpoint
+    writes it into ``trainer_state.json`` as it is.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device):
+        self.scheduler = scheduler
+        self._device = device
+        self.policy_version = 0
+        self.last_train: AppliedTrain | None = None
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def advance(self) -> int:
+        """The optimizer just stepped: the schedule and the version move with it. The new
+        version."""
+        self.scheduler.step()
+        self.policy_version += 1
+        return self.policy_version
+
+    def applied(self, batch_id: str, response: trainer_pb2.TrainResponse) -> None:
+        """Remember the Train just applied, so a retry of ``batch_id`` gets ``response``."""
+        self.last_train = AppliedTrain(batch_id, response)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version, schedule and RNG states (JSON-ready). The last reply is not in it: it
+        belongs to this process's weights, not to the weights that load this state."""
+        return {
+            "policy_version": self.policy_version,
+            "scheduler": self.scheduler.state_dict(),
+            "rng_cpu": _rng_text(torch.get_rng_state()),
+            "rng_cuda": [_rng_text(s) for s in torch.cuda.get_rng_state_all()]
+            if self._device.type == "cuda"
+            else [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's or a peer pod's state. The stored reply is dropped: it belongs to
+        weights that are gone, so a batch sent again now trains again."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_version = int(state["policy_version"])
+        self.last_train = None
+        torch.set_rng_state(_rng_tensor(state["rng_cpu"]))
+        if self._device.type == "cuda" and state["rng_cuda"]:
+            states = [_rng_tensor(s) for s in state["rng_cuda"]]
+            # Another machine may have another GPU count: its states do not map onto these.
+            if len(states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(states)
+
+
+def lr_multiplier(config: TrainerConfig) -> Callable[[int], float]:
+    """``step`` (optimizer steps already taken) → factor on ``config.lr``.
+
+    warmup:  (step + 1) / warmup_steps            for step < warmup_steps
+    then p = (step - warmup) / (total - warmup) clipped to [0, 1], floor = min_lr_ratio:
+    constant: 1;  linear: floor + (1 - floor) * (1 - p);
+    cosine: floor + (1 - floor) * (1 + cos(pi * p)) / 2
+    """
+    warmup, total, floor, shape = (
+        config.warmup_steps,
+        config.total_steps,
+        config.min_lr_ratio,
+        config.lr_schedule,
+    )
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if shape == "constant":
+            return 1.0
+        progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+        if shape == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+# -- the gradient norm and the update size -----------------------------------------------------
+#
+# ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when parameters live
+# on different meshes (FSDP-only parameters on the dp mesh, FSDP+TP ones on the 2-D mesh). Here
+# each gradient contributes the squared sum of its local shard; the sums are all-reduced over the
+# mesh dimensions on which that gradient is sharded (never over replicated ones), then added.
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum of x**2 over all ``tensors`` in fp32: one foreach norm kernel per dtype and device
+    instead of three kernels per tensor."""
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients as if they were full tensors (fp32 scalar, every rank)."""
+    grouped: dict[tuple, list[torch.Tensor]] = {}
+    plain_grads: list[torch.Tensor] = []
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise RuntimeError("gradient with a Partial placement: reduce it before clipping")
+            key = (grad.device_mesh, tuple(grad.placements))
+            grouped.setdefault(key, []).append(grad.to_local().detach())
+        else:
+            plain_grads.append(grad.detach())
+    groups = {key: _sum_of_squares(locals_) for key, locals_ in grouped.items()}
+    total = _sum_of_squares(plain_grads) if plain_grads else torch.zeros(())
+    for (mesh, placements), sumsq in groups.items():
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                dist.all_reduce(sumsq, group=mesh.get_group(dim))
+        total = total.to(sumsq.device) + sumsq
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm`` (0 = only measure)."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        # One multiply kernel per (device, dtype) group, with the coefficient on the device:
+        # no host synchronisation.
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for local in locals_:
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+        for (device, dtype), tensors in by_kind.items():
+            torch._foreach_mul_(tensors, coef.to(device, dtype))
+    return norm
+
+
+@torch.no_grad()
+def snapshot_parameters(parameters: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """fp32 copies of this rank's shards of the trainable parameters (for :func:`update_ratio`;
+    fp32 because a step of lr 1e-6 is below bf16's resolution of a weight)."""
+    return [
+        _local(param).to(torch.float32, copy=True) for param in parameters if param.requires_grad
+    ]
+
+
+@torch.no_grad()
+def update_ratio(parameters: Iterable[torch.nn.Parameter], before: list[torch.Tensor]) -> float:
+    """||theta - before|| / ||theta|| over all trainable parameters as full tensors (every rank,
+    a collective): the relative size of the step since :func:`snapshot_parameters`. Each local
+    shard adds its squared sums, all-reduced over the mesh dimensions on which its parameter is
+    sharded (never over replicated ones), as :func:`global_grad_norm` does."""
+    params = [param for param in parameters if param.requires_grad]
+    grouped: dict[tuple | None, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for param, old in zip(params, before, strict=True):
+        key = (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        now, then = grouped.setdefault(key, ([], []))
+        now.append(_local(param).to(torch.float32))
+        then.append(old)
+    total = torch.zeros(2, dtype=torch.float32)
+    for key, (now, then) in grouped.items():
+        sums = torch.stack([_sum_of_squares(torch._foreach_sub(now, then)), _sum_of_squares(now)])
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if placement.is_shard():
+                    dist.all_reduce(sums, group=mesh.get_group(dim))
+        total = total.to(sums.device) + sums
+    delta, norm = total.sqrt().tolist()
+    return delta / norm if norm > 0 else 0.0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+# -- the step ----------------------------------------------------------------------------------
 
 # Metric sums all-reduced over the data-parallel ranks, in this order.
 _SUMS = (
