@@ -456,8 +456,14 @@ def device_checks(vocab: int = 151936, dim: int = 2048) -> dict:
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from podrl.trainer.logprobs import ChunkKernels, fused_linear_logprobs, plain_logprobs
-    from podrl.trainer.packing import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, podrl_attention
+    from podrl.trainer.batch import (
+        CU_SEQLENS_KWARG,
+        MAX_SEQLEN_KWARG,
+        ChunkKernels,
+        fused_linear_logprobs,
+        plain_logprobs,
+        podrl_attention,
+    )
 
     device = "cuda" if on_cuda() else "cpu"
     dtype = torch.bfloat16 if on_cuda() else torch.float32

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from podrl.trainer.logprobs import (
+from podrl.trainer.batch import (
     ChunkKernels,
     HeadRequest,
     LogprobHead,

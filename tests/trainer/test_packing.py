@@ -11,10 +11,16 @@ from transformers import AutoModelForCausalLM
 
 from podrl.algorithms.losses import LossSettings, policy_loss
 from podrl.config import ConfigError, load_config
-from podrl.trainer.batch import batch_totals, collate, split_for_rank
+from podrl.trainer.batch import (
+    ATTENTION_NAME,
+    HeadRequest,
+    batch_totals,
+    collate,
+    install_logprob_head,
+    request_logprobs,
+    split_for_rank,
+)
 from podrl.trainer.engine import TrainerEngine
-from podrl.trainer.logprobs import HeadRequest, install_logprob_head, request_logprobs
-from podrl.trainer.packing import ATTENTION_NAME
 from tests.trainer.rank_worker import config_env, make_request
 
 PAD = 0
@@ -89,7 +95,7 @@ def test_packed_sequences_of_one_length_are_one_attention_call_with_the_padded_r
 ):
     """Off flash attention (CPU), the packed sequences of each length go through one causal
     SDPA call as rows, and the loss, logprobs and gradients are still those of padded rows."""
-    import podrl.trainer.packing as packing
+    import podrl.trainer.batch as batch_module
 
     base = list(make_request(seed=12, sequences=3).sequences)
     sequences = []
@@ -110,13 +116,13 @@ def test_packed_sequences_of_one_length_are_one_attention_call_with_the_padded_r
     model.zero_grad()
 
     calls = []
-    real = packing.sdpa_attention_forward
+    real = batch_module.sdpa_attention_forward
 
     def counted(module, query, *args, **kwargs):
         calls.append(tuple(query.shape))
         return real(module, query, *args, **kwargs)
 
-    monkeypatch.setattr(packing, "sdpa_attention_forward", counted)
+    monkeypatch.setattr(batch_module, "sdpa_attention_forward", counted)
     packed, packed_logprobs = _packed_logprobs(model, sequences)
     packed_loss = _loss(packed, packed_logprobs, sequences)
     packed_loss.backward()

@@ -1,22 +1,78 @@
-"""Checking a Train request before it reaches the model, and cutting it into micro-batches.
+"""A Train batch from the request to the loss's inputs: checks, micro-batches, attention and
+per-token logprobs.
 
-Validation runs on rank 0 before the batch is broadcast, so a bad batch never touches the model
-or the optimizer on any rank. A request may be one pod's share of a batch split over pods
-(``trainer.replication``): its checks and the whole batch's totals (the loss's denominators)
-are here too, so an unreplicated step never reaches ``podrl.trainer.replication``.
+**Checks and micro-batches.** A Train request is checked before it reaches the model, then cut
+into micro-batches. Validation runs on rank 0 before the batch is broadcast, so a bad batch
+never touches the model or the optimizer on any rank. A request may be one pod's share of a
+batch split over pods (``trainer.replication``): its checks and the whole batch's totals (the
+loss's denominators) are here too, so an unreplicated step never reaches
+``podrl.trainer.replication``.
+
+**Packed attention** (``trainer.packing``, ``trainer.attn_implementation: sdpa``): attention for
+packed and right-padded micro-batches, with no attention mask. GRPO samples have very different
+lengths. Padded to the longest, a micro-batch computes every layer on padding; packed (all
+sequences of the micro-batch one after another in a single row, positions restarting at 0 for
+each), it computes only real tokens. Attention must then stay inside each sequence: a
+block-diagonal causal pattern given by the cumulative sequence lengths ``cu_seqlens`` (``[0,
+n_0, n_0 + n_1, ...]``).
+
+``podrl_attention`` is registered with transformers' ``AttentionInterface`` as
+:data:`ATTENTION_NAME`; models load with it when ``trainer.attn_implementation`` is ``sdpa``.
+transformers builds no mask for a registered custom attention (no ``[B, 1, L, L]`` tensor, no
+host synchronisation checking whether the mask is all ones), so:
+
+* packed rows (``packed_cu_seqlens`` passed through the model's keyword arguments): on CUDA in
+  bf16/fp16, flash attention's variable-length kernel (``aten::_flash_attention_forward`` with
+  cumulative lengths, which has its own backward and supports grouped KV heads); elsewhere, one
+  causal SDPA call per distinct sequence length (the sequences of a length as rows);
+* rows without ``packed_cu_seqlens``: causal SDPA over each row. This is exact for
+  right-padded rows: a real token never attends to a later position, so it never sees the
+  padding after it (the padding's own outputs are never used).
+
+**Per-token logprobs** (``trainer.fused_logprobs``) of the sampled tokens without materialising
+full-vocabulary fp32 logits. The policy loss needs, for each completion token, ``log softmax(h @
+W.T / T)[target]`` (plus the entropy of that distribution as a metric). Computed the plain way,
+a micro-batch of N tokens holds an ``[N, V]`` bf16 logits tensor, its fp32 copy, the fp32
+log-softmax and, in backward, fp32 gradients of each: with Qwen3's 151,936-token vocabulary that
+is ~2.4 GB per 1,000 tokens.
+
+:class:`FusedLinearLogprobs` computes the vocabulary projection, log-softmax, gather and entropy
+in chunks of ``chunk_tokens`` tokens with its own backward: forward keeps one logsumexp per
+token; backward recomputes each chunk's logits (one extra matmul) and forms
+``dlogits = g * (onehot(target) - softmax) / T`` chunk by chunk. Only ``[chunk, V]`` tensors ever
+exist. The logits are rounded to the hidden states' dtype before the fp32 softmax, exactly as
+``lm_head(h).float()`` does, so in fp32 the result equals the plain path (``plain_logprobs``).
+
+:class:`LogprobHead` puts this inside the model's own forward: the model's ``lm_head`` (an
+``nn.Linear``) becomes a ``LogprobHead`` (same parameter, same state-dict key) that returns
+per-token logprobs while a :class:`HeadRequest` is set (:func:`request_logprobs`) and plain
+logits otherwise. Running inside ``model(...)`` matters under FSDP2: the head's weight is
+unsharded only during the root module's forward. Only the requested token positions (the
+completion tokens) go through the vocabulary projection; prompt positions never do.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from podrl.algorithms.losses import BatchTotals
-from podrl.trainer.packing import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG
 from podrl.v1 import trainer_pb2
+
+ATTENTION_NAME = "podrl_sdpa"
+
+# The keyword arguments a packed forward passes to ``model(...)``; transformers hands them on to
+# every attention call.
+CU_SEQLENS_KWARG = "packed_cu_seqlens"
+MAX_SEQLEN_KWARG = "packed_max_seqlen"
 
 MAX_ABS_ADVANTAGE = 1e4
 """Largest |advantage| a Train accepts. Group-relative advantages are a few units (rewards minus
@@ -385,3 +441,309 @@ def split_for_rank(
     count = max(1, *(len(plan) for plan in plans))
     mine = plans[dp_rank]
     return mine + [[] for _ in range(count - len(mine))]
+
+
+# -- packed attention ------------------------------------------------------------------------------
+
+
+def _flash_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """[1, H, T, D] q and [1, Hkv, T, D] k/v → [1, T, H, D], causal within each sequence."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scaling
+    )[0]
+    return out.unsqueeze(0)
+
+
+def _per_length_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The same as :func:`_flash_varlen` with one causal SDPA call per distinct sequence
+    length: the packed sequences of one length are gathered into rows ``[n, H, L, D]``, so each
+    sequence attends exactly as alone. GRPO groups repeat a few lengths (a batch of 128
+    sequences of 6 lengths is 6 calls, not 128 calls and their backward, each a Python
+    round trip)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    starts = cu_seqlens[:-1].tolist()
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths, strict=True):
+        by_length.setdefault(length, []).append(start)
+    device = query.device
+    parts, order = [], []
+    for length, group in by_length.items():
+        # Token positions of the group's sequences, sequence after sequence: [n * L].
+        index = (
+            torch.tensor(group, device=device).unsqueeze(1) + torch.arange(length, device=device)
+        ).reshape(-1)
+        rows = [
+            t[0].index_select(1, index).unflatten(1, (len(group), length)).transpose(0, 1)
+            for t in (query, key, value)
+        ]  # [n, heads, L, D] each
+        out = sdpa_attention_forward(module, *rows, None, scaling=scaling, is_causal=True)[0]
+        parts.append(out.reshape(len(group) * length, *out.shape[2:]))  # [n * L, H, D]
+        order.append(index)
+    # Back to the packed order: position p of the row is output row inverse[p].
+    gathered = torch.cat(order)
+    inverse = torch.empty_like(gathered)
+    inverse[gathered] = torch.arange(gathered.numel(), device=device)
+    return torch.cat(parts).index_select(0, inverse).unsqueeze(0)
+
+
+def podrl_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: q ``[B, H, T, D]``, k/v ``[B, Hkv, T, D]`` →
+    (``[B, T, H, D]``, None). See the module docstring."""
+    if attention_mask is not None or dropout:
+        raise ValueError(
+            f"{ATTENTION_NAME} attention takes no attention mask and no dropout (packed or "
+            "right-padded causal batches only)"
+        )
+    cu_seqlens = kwargs.get(CU_SEQLENS_KWARG)
+    if cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
+    if not isinstance(cu_seqlens, torch.Tensor) or query.shape[0] != 1:
+        raise ValueError(f"{CU_SEQLENS_KWARG}: an int32 tensor for one packed row is required")
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        max_seqlen = kwargs.get(MAX_SEQLEN_KWARG)
+        if not isinstance(max_seqlen, int):
+            raise ValueError(f"{MAX_SEQLEN_KWARG}: the longest packed sequence, an int")
+        return _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling), None
+    return _per_length_sdpa(module, query, key, value, cu_seqlens, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, podrl_attention)
+
+
+# -- per-token logprobs ---------------------------------------------------------------------------
+
+
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of ``targets``, logsumexp, entropy) of one chunk of logits ``[c, V]``, in fp32."""
+    z = logits.float() / temperature
+    # The same log_softmax as the plain path (its values, row by row), and the logsumexp that
+    # backward needs; inductor fuses both into passes over the logits when compiled.
+    log_probs = torch.log_softmax(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)
+    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(torch.exp(log_probs) * log_probs).sum(-1)
+    return chosen, lse, entropy
+
+
+def _chunk_grad_logits(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    grad: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """d(sum_i grad_i * logprob_i) / d logits for one chunk, in the logits' dtype."""
+    z = logits.float() / temperature
+    probs = torch.exp(z - lse.unsqueeze(-1))
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (vocab.unsqueeze(0) == targets.unsqueeze(-1)).to(torch.float32)
+    return ((onehot - probs) * (grad.unsqueeze(-1) / temperature)).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class ChunkKernels:
+    """The element-wise parts of a chunk, eager or compiled (inductor fuses each into one or
+    two passes over the bf16 logits instead of several over fp32 copies)."""
+
+    stats: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    grad_logits: Callable[..., torch.Tensor]
+
+    @classmethod
+    def make(cls, compiled: bool) -> ChunkKernels:
+        if not compiled:
+            return cls(_chunk_stats, _chunk_grad_logits)
+        return cls(
+            torch.compile(_chunk_stats, dynamic=True),
+            torch.compile(_chunk_grad_logits, dynamic=True),
+        )
+
+
+EAGER_KERNELS = ChunkKernels.make(compiled=False)
+
+
+class FusedLinearLogprobs(torch.autograd.Function):
+    """``(logprobs, entropy) = f(hidden [N, D], weight [V, D], targets [N])``, chunked over N.
+
+    ``entropy`` carries no gradient (it is a metric). See the module docstring.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_tokens: int,
+        kernels: ChunkKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        logprobs = hidden.new_empty(rows, dtype=torch.float32)
+        lse = hidden.new_empty(rows, dtype=torch.float32)
+        entropy = hidden.new_empty(rows, dtype=torch.float32)
+        for start in range(0, rows, chunk_tokens):
+            stop = min(start + chunk_tokens, rows)
+            logits = hidden[start:stop] @ weight.t()
+            lp, ls, ent = kernels.stats(logits, targets[start:stop], temperature)
+            logprobs[start:stop], lse[start:stop], entropy[start:stop] = lp, ls, ent
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_tokens, ctx.kernels = temperature, chunk_tokens, kernels
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_logprobs: torch.Tensor | None,
+        _grad_entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        rows, chunk = hidden.shape[0], ctx.chunk_tokens
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        chunks = range(0, rows, chunk)
+        # One chunk: the matmul's own output is the gradient. Several: add the chunks' products
+        # in fp32 so the bf16 rounding happens once per chunk, not once per running sum.
+        grad_weight = None
+        if want_weight and len(chunks) != 1:
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in chunks:
+            stop = min(start + chunk, rows)
+            h = hidden[start:stop]
+            dlogits = ctx.kernels.grad_logits(
+                h @ weight.t(),
+                lse[start:stop],
+                targets[start:stop],
+                grad_logprobs[start:stop],
+                ctx.temperature,
+            )
+            if want_hidden:
+                grad_hidden[start:stop] = dlogits @ weight
+            if want_weight:
+                part = dlogits.t() @ h
+                grad_weight = part if len(chunks) == 1 else grad_weight.add_(part)
+        if want_weight:
+            # Zero tokens still give the weight a (zero) gradient: every FSDP rank must reduce
+            # the same parameters, also a rank whose micro-batch is an all-masked dummy.
+            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    kernels: ChunkKernels = EAGER_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of ``targets`` [N] and entropy [N] under ``softmax(hidden @ weight.T / T)``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return FusedLinearLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, kernels)
+
+
+def plain_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full fp32 log-softmax over the vocabulary, then gather (``[N, V]`` in)."""
+    log_probs = F.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return chosen, entropy
+
+
+@dataclass
+class HeadRequest:
+    """What :class:`LogprobHead` computes during one forward: logprobs of ``targets`` at the
+    flat positions ``token_index`` of the ``[rows * length]`` hidden states. The head returns
+    the logprobs as the model's ``logits`` output and leaves the entropy here."""
+
+    token_index: torch.Tensor  # [M] long
+    targets: torch.Tensor  # [M] long
+    temperature: float = 1.0
+    chunk_tokens: int = 4096
+    kernels: ChunkKernels = EAGER_KERNELS
+    entropy: torch.Tensor | None = field(default=None, init=False)
+
+
+class LogprobHead(nn.Linear):
+    """An ``nn.Linear`` vocabulary projection that returns per-token logprobs while
+    ``self.request`` is set (see the module docstring); plain logits otherwise."""
+
+    request: HeadRequest | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        request = self.request
+        if request is None:
+            return super().forward(hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, request.token_index)
+        logprobs, entropy = fused_linear_logprobs(
+            flat,
+            self.weight,
+            request.targets,
+            request.temperature,
+            request.chunk_tokens,
+            request.kernels,
+        )
+        request.entropy = entropy
+        return logprobs
+
+
+def install_logprob_head(model: nn.Module) -> LogprobHead:
+    """Turn ``model``'s output projection into a :class:`LogprobHead` in place (same parameter
+    objects, same state-dict keys, tied weights stay tied)."""
+    head = model.get_output_embeddings()
+    if type(head) is LogprobHead:
+        return head
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise TypeError(
+            f"trainer.fused_logprobs: the model's output projection is {type(head).__name__}"
+            f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}; the fused "
+            "head needs a bias-free nn.Linear: set trainer.fused_logprobs: false"
+        )
+    head.__class__ = LogprobHead
+    return head
+
+
+@contextmanager
+def request_logprobs(model: nn.Module, request: HeadRequest) -> Iterator[HeadRequest]:
+    """Within the block, ``model(...).logits`` is ``[M]`` logprobs of ``request.targets``."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead):
+        raise TypeError("request_logprobs: call install_logprob_head(model) first")
+    head.request = request
+    try:
+        yield request
+    finally:
+        head.request = None

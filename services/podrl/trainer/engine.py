@@ -38,20 +38,18 @@ from podrl.config.trainer import TrainerConfig
 from podrl.trainer import checkpoint, export
 from podrl.trainer.batch import (
     BatchLimits,
+    ChunkKernels,
+    HeadRequest,
     MicroBatch,
     collate,
+    install_logprob_head,
+    plain_logprobs,
+    request_logprobs,
     share_totals,
     split_for_rank,
     validate_share,
 )
 from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
-from podrl.trainer.logprobs import (
-    ChunkKernels,
-    HeadRequest,
-    install_logprob_head,
-    plain_logprobs,
-    request_logprobs,
-)
 from podrl.trainer.parallel import (
     RankEnv,
     init_distributed,

@@ -8,10 +8,10 @@ as an N-rank one. On CUDA the model computes in bf16 and keeps fp32 master weigh
 MixedPrecisionPolicy); on CPU everything is fp32.
 
 Attention: ``attn_implementation: sdpa`` loads the model with podrl's own attention
-(``podrl.trainer.packing``: causal SDPA for right-padded rows, flash varlen for packed rows,
-never a materialised mask). Speed options applied per decoder layer, inside each FSDP unit
-(the FSDP hooks stay outside): ``torch.compile`` of the layer's ``forward`` and activation
-checkpointing of it. Both replace only the instance's ``forward`` attribute, so parameter
+(``podrl.trainer.batch``'s packed attention: causal SDPA for right-padded rows, flash varlen
+for packed rows, never a materialised mask). Speed options applied per decoder layer, inside
+each FSDP unit (the FSDP hooks stay outside): ``torch.compile`` of the layer's ``forward`` and
+activation checkpointing of it. Both replace only the instance's ``forward`` attribute, so parameter
 names, state-dict keys and checkpoints are unchanged.
 """
 
@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from podrl.config import ConfigError, RunConfig
 from podrl.models.folders import default_model_folder, ensure_model_folder
-from podrl.trainer.packing import ATTENTION_NAME
+from podrl.trainer.batch import ATTENTION_NAME
 
 log = logging.getLogger(__name__)
 
