@@ -31,13 +31,14 @@ def test_ruff_passes() -> None:
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
 
 
-def test_controller_and_grader_import_without_torch_or_vllm() -> None:
+def test_controller_grader_and_environments_import_without_torch_or_vllm() -> None:
     # A None entry in sys.modules makes `import torch` raise ImportError.
     code = (
         "import sys\n"
         "for name in ('torch', 'vllm', 'transformers'):\n"
         "    sys.modules[name] = None\n"
         "import podrl.controller.service.main, podrl.grader.main, podrl.cli.main\n"
+        "import podrl.environments.main\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
