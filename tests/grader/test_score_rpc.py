@@ -202,7 +202,7 @@ def test_a_built_in_that_raises_in_the_grader_thread_fails_its_item_alone() -> N
     from podrl.grader.rewards import RewardComponent, TaskRewardPlan
     from podrl.grader.rewards.builtins import BUILTIN_REWARDS
     from podrl.grader.rewards.plan import ItemInput
-    from podrl.grader.scoring_pool import score_inline, scores_inline
+    from podrl.grader.servicer import score_inline, scores_inline
 
     def plan(name: str, **params: object) -> TaskRewardPlan:
         component = RewardComponent(name, BUILTIN_REWARDS[name], 1.0, params, (), name)

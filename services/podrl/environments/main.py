@@ -8,7 +8,7 @@ from podrl.common.service import PrometheusServer, ServiceSpec, serve
 from podrl.config import RunConfig
 from podrl.environments.isolation import resolve_environments
 from podrl.environments.servicer import EnvironmentServicer
-from podrl.grader.scoring_pool import WorkerPool
+from podrl.grader.servicer import WorkerPool
 from podrl.v1 import environment_pb2_grpc
 
 

@@ -31,7 +31,7 @@ from podrl.environments.isolation import (
     reset_episode,
     step_episode,
 )
-from podrl.grader.scoring_pool import JobFailure, WorkerPool
+from podrl.grader.servicer import JobFailure, WorkerPool
 from podrl.v1 import common_pb2, environment_pb2, environment_pb2_grpc
 
 log = logging.getLogger(__name__)

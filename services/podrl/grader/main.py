@@ -8,8 +8,7 @@ from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
 from podrl.grader.rewards import build_reward_plans
 from podrl.grader.rewards.registry import preload_modules
-from podrl.grader.scoring_pool import ScoringPool, scores_inline
-from podrl.grader.servicer import GraderServicer
+from podrl.grader.servicer import GraderServicer, ScoringPool, scores_inline
 from podrl.v1 import grader_pb2_grpc
 
 
