@@ -230,7 +230,7 @@ class InProcessGrpo:
         self.normalize_std = config.loop.normalize_advantages_std
 
     def _score(self, item: Any, completion: str) -> float:
-        from podrl.grader.rewards.plan import ItemInput, score_with_plan
+        from podrl.grader.rewards.scoring import ItemInput, score_with_plan
 
         item_input = ItemInput(item.prompt, completion, item.reference, item.task, item.metadata)
         return score_with_plan(self.plans[item.task], item_input).reward

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from podrl.grader.rewards.builtins import (
+from podrl.grader.rewards.scoring import (
     char_match,
     exact_match,
     format_reward,

@@ -13,7 +13,7 @@ import yaml
 
 from podrl.config import ConfigError, load_config
 from podrl.grader.rewards import build_reward_plans, score_with_plan
-from podrl.grader.rewards.plan import InvalidRewardError, ItemInput
+from podrl.grader.rewards.scoring import InvalidRewardError, ItemInput
 from tests.grader.conftest import grader_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

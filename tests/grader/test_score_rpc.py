@@ -200,8 +200,7 @@ def test_a_built_in_that_raises_in_the_grader_thread_fails_its_item_alone() -> N
     """score_inline turns a reward's exception into SCORE_ERROR_EXCEPTION with the message the
     pool gives and the task's fallback reward; which plans score inline."""
     from podrl.grader.rewards import RewardComponent, TaskRewardPlan
-    from podrl.grader.rewards.builtins import BUILTIN_REWARDS
-    from podrl.grader.rewards.plan import ItemInput
+    from podrl.grader.rewards.scoring import BUILTIN_REWARDS, ItemInput
     from podrl.grader.servicer import score_inline, scores_inline
 
     def plan(name: str, **params: object) -> TaskRewardPlan:

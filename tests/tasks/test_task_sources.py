@@ -63,7 +63,7 @@ def test_reasoning_gym_source_resumes_without_repeats_or_gaps() -> None:
 
 
 def test_reasoning_gym_items_score_right_with_the_reasoning_gym_reward() -> None:
-    from podrl.grader.rewards.builtins import reasoning_gym_score
+    from podrl.grader.rewards.scoring import reasoning_gym_score
 
     for item in build_task_source(_tasks([RG_TASK])).next_prompts(5):
         assert reasoning_gym_score(item.target, item.reference, metadata=item.metadata) == 1.0

@@ -42,8 +42,12 @@ from pebble import ProcessExpired, ProcessFuture, ProcessPool
 import podrl
 from podrl.config import RunConfig
 from podrl.grader import metrics
-from podrl.grader.rewards.builtins import BUILTIN_REWARDS
-from podrl.grader.rewards.plan import ItemInput, TaskRewardPlan, score_with_plan
+from podrl.grader.rewards.scoring import (
+    BUILTIN_REWARDS,
+    ItemInput,
+    TaskRewardPlan,
+    score_with_plan,
+)
 from podrl.v1 import common_pb2, grader_pb2, grader_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -177,7 +181,7 @@ def _item_input(item: grader_pb2.ScoreItem) -> ItemInput:
 
 # ---- the pool that runs the rewards ----------------------------------------------------------
 
-ALWAYS_PRELOADED = ["podrl.grader.rewards.builtins", "podrl.grader.rewards.plan"]
+ALWAYS_PRELOADED = ["podrl.grader.rewards.scoring"]
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Reward functions: built-ins, plug-ins by import path, and per-task weighted plans."""
 
-from podrl.grader.rewards.builtins import BUILTIN_REWARDS
-from podrl.grader.rewards.plan import (
+from podrl.grader.rewards.registry import build_reward_plans, check_signature, resolve_reward
+from podrl.grader.rewards.scoring import (
+    BUILTIN_REWARDS,
     InvalidRewardError,
     ItemInput,
     ItemOutput,
@@ -9,7 +10,6 @@ from podrl.grader.rewards.plan import (
     TaskRewardPlan,
     score_with_plan,
 )
-from podrl.grader.rewards.registry import build_reward_plans, check_signature, resolve_reward
 
 __all__ = [
     "BUILTIN_REWARDS",

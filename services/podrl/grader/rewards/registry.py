@@ -18,8 +18,12 @@ from typing import Any
 from podrl.config.grader import GraderConfig
 from podrl.config.loading import ConfigError
 from podrl.config.tasks import RewardConfig, TasksConfig
-from podrl.grader.rewards.builtins import BUILTIN_REWARDS
-from podrl.grader.rewards.plan import CONTEXT_ARGUMENTS, RewardComponent, TaskRewardPlan
+from podrl.grader.rewards.scoring import (
+    BUILTIN_REWARDS,
+    CONTEXT_ARGUMENTS,
+    RewardComponent,
+    TaskRewardPlan,
+)
 
 SIGNATURE_HELP = (
     "a reward function is `def reward(completion: str, reference: str, **params) -> float` "
