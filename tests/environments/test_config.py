@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,8 @@ def test_params_reach_the_environment_class() -> None:
 
 def start_service(tmp_path: Path, environments: dict[str, object]) -> subprocess.Popen[str]:
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"environments": {"metrics_port": 0, **environments}}))
+    section = {"metrics_port": 0, **environments}
+    path.write_text(yaml.safe_dump({"environments": section}))
     return subprocess.Popen(
         [sys.executable, "-m", "podrl.environments", "--config", str(path)],
         env={**os.environ, "PODRL_LOG__FORMAT": "text"},
@@ -136,3 +138,18 @@ def test_the_service_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("field", ["grpc_port", "metrics_port"])
+def test_a_port_in_use_stops_the_service_naming_its_field(tmp_path: Path, field: str) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {"grpc_port": free_port(), "metrics_port": free_port(), field: port}
+        process = start_service(tmp_path, {**ports, "workers": 1})
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert f"environments.{field}: cannot listen on 127.0.0.1:{port}" in stderr
+    assert f"PODRL_ENVIRONMENTS__{field.upper()}" in stderr
+    assert "Traceback" not in stderr

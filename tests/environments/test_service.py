@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY
 
 from podrl.v1 import common_pb2, environment_pb2, environment_pb2_grpc
@@ -310,3 +312,16 @@ def test_metrics_count_steps_tool_calls_and_failures(service: RunningEnvironment
     }
     assert sample("podrl_environment_sessions") >= 1
     service.stub.Close(environment_pb2.CloseRequest(episode_id="counted"))
+
+
+def test_health_and_reflection_are_open(service: RunningEnvironments) -> None:
+    with grpc.insecure_channel(service.address) as channel:  # no credentials
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "podrl.v1.Environment"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"podrl.v1.Environment", "grpc.health.v1.Health"} <= names
