@@ -49,7 +49,7 @@ def served_run(tmp_path: Path) -> Iterator[str]:
             metrics.update(loss=None, pg_loss=None, metrics_unknown=True)
         store.record_step(StepRecord(step, step, {"index": step}, metrics, time.time()))
         state.finish_step(step, step, metrics["phase_seconds"], metrics)
-    state.set_phase("generate")
+    state.follow_loop(lambda: "generate")
     with served_rest_app(state, store) as url:
         yield url
 

@@ -37,7 +37,7 @@ def test_the_roster_remembers_syncs_until_the_next_align_and_which_pods_were_rep
     roster = _roster("pod-0")
     [pod] = roster.admit()
     assert roster.replaced([pod]) == []
-    roster.note_synced(pod, 4)
+    roster.note_syncs((pod,), 4, {pod.id: 0.1})
     assert roster.take_synced() == {"pod-0": (pod, 4)}
     assert roster.take_synced() == {}  # one align reads them: a retry's align asks again
     # The trainer restarted under the same worker id: the pod as admitted before is stale.

@@ -633,10 +633,16 @@ class PodTable:
             self._seen.update((pod.id, pod) for pod in pods)
         return [old for old, pod in zip(before, pods, strict=True) if old not in (None, pod)]
 
-    def note_synced(self, pod: Pod, version: int) -> None:
-        """``pod``'s trainer published ``version`` and its generator applied it."""
-        with self._lock:
-            self._synced[pod.id] = (pod, version)
+    def note_syncs(self, pods: tuple[Pod, ...], version: int, seconds: dict[str, float]) -> None:
+        """After a step's weight sync to ``version`` of ``pods``: each pod in ``seconds``
+        (pod id → seconds of its sync) had its trainer publish ``version`` and its generator
+        apply it; the others were lost meanwhile and leave."""
+        for pod in pods:
+            if pod.id in seconds:
+                with self._lock:
+                    self._synced[pod.id] = (pod, version)
+            else:
+                self.drop(pod.id, "lost during the weight sync")
 
     def take_synced(self) -> dict[str, tuple[Pod, int]]:
         """The syncs that succeeded since the last call (one align reads them: a retry's

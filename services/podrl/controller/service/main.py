@@ -134,6 +134,7 @@ def build_loop(
         pool,
         stop,
     )
+    state.follow_loop(lambda: parts.phase)
     driver: StepDriver = AsyncSteps(parts) if asynchronous else SyncSteps(parts)
     checkpoints = RunCheckpoints(
         config, state, store, clients, source, recorder, table, train_phase

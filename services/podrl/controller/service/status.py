@@ -158,7 +158,8 @@ class RunState:
         self._lock = threading.Lock()
         self.step = 0
         self.policy_version = 0
-        self.phase = "idle"
+        self._phase: Callable[[], str] = lambda: "idle"
+        """Where the run's phase is read (the loop's: :meth:`follow_loop`)."""
         self.phase_seconds: dict[str, float] = {}
         self.last_step_metrics: dict[str, Any] = {}
         self.steps_total = steps_total
@@ -171,9 +172,18 @@ class RunState:
         self._buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(steps, groups) in the rollout buffer (async mode's producer answers it)."""
 
-    def set_phase(self, phase: str) -> None:
+    def follow_loop(self, phase: Callable[[], str]) -> None:
+        """The loop owns the run's phase (generate, train, sync, ...): status reads it there,
+        so a step does not write it here."""
         with self._lock:
-            self.phase = phase
+            self._phase = phase
+
+    @property
+    def phase(self) -> str:
+        """waiting_for_workers, idle, generate, score, train, sync, ..., finished or failed."""
+        with self._lock:
+            phase = self._phase
+        return phase()
 
     def set_error(self, error: str | None) -> None:
         with self._lock:
@@ -251,8 +261,9 @@ class RunState:
             rollout = self.rollout.model_copy(
                 update={"buffer_steps": buffer_steps, "buffer_groups": buffer_groups}
             )
-            waiting = not ready and self.phase not in ("finished", "failed")
-            phase = "waiting_for_workers" if waiting else self.phase
+            phase = self._phase()
+            if not ready and phase not in ("finished", "failed"):
+                phase = "waiting_for_workers"
             return RunStatusView(
                 run_name=self.run_name,
                 phase=phase,

@@ -196,7 +196,8 @@ class AsyncSteps:
         # the publish before it overlaps the producer's batch. The step is done for the
         # producer once the generators are aligned for the next one; its record is written
         # while that batch runs.
-        sync_seconds = parts.sync_weights(trained.outcome, trained.version, timings)
+        sync_seconds = parts.sync_weights(trained, timings)
+        parts.table.note_syncs(trained.pods, trained.version, sync_seconds)
         if step < self.config.steps:
             try:
                 self._align(trained.version)

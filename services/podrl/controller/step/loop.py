@@ -47,7 +47,7 @@ from podrl.common import faults
 from podrl.config import RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.controller import loop_metrics as metrics
-from podrl.controller.pods.table import PodTable
+from podrl.controller.pods.table import Pod, PodTable
 from podrl.controller.records.checkpointing import RunCheckpoints
 from podrl.controller.records.evaluation import Evaluator, RunPhases
 from podrl.controller.records.recorder import PendingStep, RunStore, StepRecord, StepRecorder
@@ -110,6 +110,10 @@ class TrainedStep:
     """The pod table's epoch the step was trained in."""
     version: int
     """The trainers' policy version after it."""
+    pods: tuple[Pod, ...] = ()
+    """The admitted pods whose trainers applied it: their generators sync to ``version``."""
+    joining: frozenset[str] = frozenset()
+    """Those of ``pods`` that joined at this step: their generators get a full manifest."""
 
     @property
     def sample_ids(self) -> set[str]:
@@ -152,13 +156,16 @@ class StepParts:
         """Set to stop the run: the step in flight ends (its retries end early)."""
         self.ended = threading.Event()
         """Set when the loop has ended, stopped or not: async mode's producer ends too."""
+        self.phase = "idle"
+        """The run's phase: the step's part running now, or where the run stands (status
+        reads it: RunState.follow_loop). One thread writes it at a time, a string whole."""
         self.batch_prefix = process_prefix(config.name)
 
     def stopping(self) -> bool:
         return self.ended.is_set() or self.stop.is_set()
 
     def timed(self, phase: str, timings: dict[str, float], fn: Callable[[], T]) -> T:
-        self.state.set_phase(phase)
+        self.phase = phase
         start = time.perf_counter()
         try:
             return fn()
@@ -227,19 +234,22 @@ class StepParts:
             lambda: self.train_phase.train_pods(trainers, expected, requests_for),
         )
         faults.hit("controller.after_train", step=step)
-        return TrainedStep(batch, batch_id, outcome, self.table.epoch, outcome.reply.policy_version)
-
-    def sync_weights(
-        self, outcome: TrainOutcome | None, version: int, timings: dict[str, float]
-    ) -> dict[str, float]:
-        """Each pod that trained the step syncs its generator to ``version``: pod → seconds."""
-        if outcome is None:
-            return {}
+        version = outcome.reply.policy_version
         # Joining pods' generators get a full manifest (their first sync); their trainers
         # hold the run's version now, so they stop joining.
         joining = self.table.joining()
         self.table.note_trained(dict.fromkeys(outcome.replies, version))
-        synced = [pod for pod in self.table.pods() if pod.id in outcome.replies]
+        pods = tuple(pod for pod in self.table.pods() if pod.id in outcome.replies)
+        return TrainedStep(batch, batch_id, outcome, self.table.epoch, version, pods, joining)
+
+    def sync_weights(self, trained: TrainedStep, timings: dict[str, float]) -> dict[str, float]:
+        """Each pod that trained the step syncs its generator to the trained version: pod →
+        seconds. The pod table is neither read nor written on the way (the driver notes the
+        outcome after it: ``PodTable.note_syncs``); only a pod lost meanwhile is asked about."""
+        if trained.outcome is None:
+            return {}
+        version = trained.version
+        synced = list(trained.pods)
         lost = self.table.lost
         if self.loop_config.generator_memory == "sleep_during_train":
             woken = self.timed(
@@ -260,14 +270,9 @@ class StepParts:
                 version,
                 self.loop_config.max_step_attempts,
                 is_lost=lost,
-                align=joining,
+                align=trained.joining,
             ),
         )
-        for pod in synced:
-            if pod.id in sync_seconds:
-                self.table.note_synced(pod, version)
-            else:
-                self.table.drop(pod.id, "lost during the weight sync")
         return sync_seconds
 
     def record(
@@ -338,7 +343,8 @@ class SyncSteps:
             step, attempt, expected, batch, data, position_before, position_after, timings
         )
         parts.recorder.write_samples(step, data, trained.sample_ids)
-        sync_seconds = parts.sync_weights(trained.outcome, trained.version, timings)
+        sync_seconds = parts.sync_weights(trained, timings)
+        parts.table.note_syncs(trained.pods, trained.version, sync_seconds)
         return parts.record(step, position_after, data, trained, timings, sync_seconds)
 
 
@@ -371,7 +377,7 @@ class GrpoLoop:
                     f"{self.loop_config.workers_timeout_seconds:.0f}s "
                     "(loop.workers_timeout_seconds)"
                 )
-            self.state.set_phase("waiting_for_workers")
+            self.parts.phase = "waiting_for_workers"
             stop.wait(0.2)
 
     # -- one step --------------------------------------------------------------------------------
@@ -480,7 +486,7 @@ class GrpoLoop:
                 self.evaluate_after(self.state.step, "final")
                 if self.loop_config.export_at_end:
                     timed("export", {}, self.checkpoints.export)
-            self.state.set_phase("finished" if finished else "stopped")
+            self.parts.phase = "finished" if finished else "stopped"
             self.recorder.write_summary()
         except (RunFailedError, StepFailedError) as err:
             self._fail(str(err))
@@ -498,5 +504,5 @@ class GrpoLoop:
     def _fail(self, error: str) -> None:
         log.error("run failed: %s", error)
         self.state.set_error(error)
-        self.state.set_phase("failed")
+        self.parts.phase = "failed"
         self.recorder.write_summary()
