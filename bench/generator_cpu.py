@@ -49,7 +49,7 @@ from podrl.config.generator import GeneratorConfig  # noqa: E402
 from podrl.generator.engine import VllmEngine  # noqa: E402
 from podrl.generator.generation import SamplingRequest  # noqa: E402
 from podrl.models.tiny import make_tiny_model  # noqa: E402
-from podrl.weights.keys import (  # noqa: E402
+from podrl.weights.protocol import (  # noqa: E402
     WEIGHTS_KEY_FILE_ENV,
     read_key_file,
     write_fresh_key_file,

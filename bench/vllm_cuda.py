@@ -439,7 +439,7 @@ class Pod:
     opts: Options
     shape: dict[str, Any]
     key: Any = None
-    """The pod's weights key (podrl.weights.keys): the checks sign a permuted manifest."""
+    """The pod's weights key (podrl.weights.protocol): the checks sign a permuted manifest."""
     version: int = 0
     batches: int = 0
     exports: int = 0
@@ -911,7 +911,7 @@ def run(opts: Options) -> Results:
 
 
 def _run_pod(opts: Options, shape: dict[str, Any], results: Results) -> None:
-    from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV, write_fresh_key_file
+    from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV, write_fresh_key_file
 
     work = opts.work_dir
     work.mkdir(parents=True, exist_ok=True)

@@ -51,15 +51,13 @@ from podrl.v1 import weights_pb2
 from podrl.weights import (
     ModelDescription,
     WeightReceiver,
-    codec,
     cuda_ipc,
-    manifest,
-    shm,
+    protocol,
     vllm_layout,
 )
 from podrl.weights.architectures import TargetLayout, TargetTensor
-from podrl.weights.dtypes import element_size, from_wire, parse_dtype
 from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
+from podrl.weights.protocol import element_size, from_wire, parse_dtype
 from podrl.weights.publisher import ManifestAssembler, ShmStaging, WeightPublisher
 
 # verl's default bucket: CheckpointEngineConfig.update_weights_bucket_megabytes = 2048
@@ -93,7 +91,7 @@ def per_param_manifest(params: dict, version: int, keep: list) -> weights_pb2.We
     trainer, ``rebuild_cuda_tensor`` + ``model.load_weights`` on the worker). On CPU each
     parameter gets its own shared-memory segment, created and filled this step.
     """
-    local = manifest.local_shards(params)
+    local = protocol.local_shards(params)
     if next(iter(params.values())).is_cuda:
         shards = [
             s.to_wire(weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)), 0)
@@ -127,7 +125,7 @@ class BucketSender:
     """
 
     def __init__(self, params: dict, bucket_bytes: int) -> None:
-        self.local = manifest.local_shards(params)
+        self.local = protocol.local_shards(params)
         self.cuda = self.local[0].tensor.is_cuda
         largest = max(s.tensor.numel() * s.tensor.element_size() for s in self.local)
         self.bucket_bytes = max(bucket_bytes, largest)
@@ -140,9 +138,11 @@ class BucketSender:
         if self.cuda:
             device = self.local[0].tensor.device
             buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-            base: weights_pb2.CudaIpcHandle | shm.SharedSegment = cuda_ipc.export_tensor(buffer)
+            base: weights_pb2.CudaIpcHandle | protocol.SharedSegment = cuda_ipc.export_tensor(
+                buffer
+            )
         else:
-            base = shm.SharedSegment(self.bucket_bytes)
+            base = protocol.SharedSegment(self.bucket_bytes)
             buffer = base.data
         try:
             entries: list[weights_pb2.TensorShard] = []
@@ -160,7 +160,7 @@ class BucketSender:
         finally:
             started = time.perf_counter()
             del buffer
-            if isinstance(base, shm.SharedSegment):
+            if isinstance(base, protocol.SharedSegment):
                 base.unlink()
             gc.collect()
             if self.cuda:
@@ -170,7 +170,7 @@ class BucketSender:
 
     @staticmethod
     def _storage(base, offset: int, nbytes: int) -> weights_pb2.TensorStorage:
-        if isinstance(base, shm.SharedSegment):
+        if isinstance(base, protocol.SharedSegment):
             return weights_pb2.TensorStorage(
                 shm=weights_pb2.ShmHandle(name=base.name, offset=offset, nbytes=nbytes)
             )
@@ -217,7 +217,7 @@ class BaselineReceiver:
         if shard.storage.WhichOneof("kind") == "shm":
             handle = shard.storage.shm
             if handle.name not in self._opened:
-                self._opened[handle.name] = shm.open_segment_readonly(handle.name)
+                self._opened[handle.name] = protocol.open_segment_readonly(handle.name)
             data = self._opened[handle.name]
             return data[handle.offset : handle.offset + handle.nbytes].view(dtype).view(shape)
         handle = shard.storage.cuda_ipc
@@ -239,7 +239,7 @@ class BaselineReceiver:
             tensor = self._open(shard)
             if clone:
                 tensor = tensor.clone()
-            sources[shard.name].append(SourceShard(codec.shard_box(shard), tensor))
+            sources[shard.name].append(SourceShard(protocol.shard_box(shard), tensor))
             targets.update(self.targets_of[shard.name])
         if clone:
             torch.cuda.synchronize()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from podrl.weights.shm import SEGMENT_PREFIX
+from podrl.weights.protocol import SEGMENT_PREFIX
 from tests.controller.cli_pods_run import (
     GROUP,
     Run,

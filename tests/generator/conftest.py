@@ -18,7 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from podrl.common.processes import free_ports
 from podrl.v1 import generator_pb2_grpc
-from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV, WeightsKey, read_key_file, write_fresh_key_file
+from podrl.weights.protocol import (
+    WEIGHTS_KEY_FILE_ENV,
+    WeightsKey,
+    read_key_file,
+    write_fresh_key_file,
+)
 from tests.foundation.run_secret import authed_channel
 
 WORKER_ID = "generator-test-worker"

@@ -45,7 +45,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, publish
     from podrl.trainer.parallel import load_hf_model, parallelize
     from podrl.weights import ManifestAssembler, WeightPublisher
     from podrl.weights.distributed import gather_publications
-    from podrl.weights.keys import load_trainer_key
+    from podrl.weights.protocol import load_trainer_key
 
     out = Path(out_dir)
     model = load_hf_model(Path(model_dir), "sdpa")

@@ -22,8 +22,8 @@ import pytest
 
 from podrl.common.processes import free_ports
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
-from podrl.weights import shm
-from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV
+from podrl.weights import protocol
+from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV
 from tests.generator.conftest import WORKER_ID, GeneratorProcess, stop_generator
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,8 @@ def _wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float =
 
 
 def _podrl_segments_of(pids: set[int]) -> list[str]:
-    names = os.listdir(shm.SHM_DIR) if shm.SHM_DIR.exists() else []
-    return [n for n in names if (c := shm.segment_creator(n)) is not None and c[0] in pids]
+    names = os.listdir(protocol.SHM_DIR) if protocol.SHM_DIR.exists() else []
+    return [n for n in names if (c := protocol.segment_creator(n)) is not None and c[0] in pids]
 
 
 def _generate(gen: GeneratorProcess, seed: int) -> generator_pb2.GenerateResponse:

@@ -21,7 +21,7 @@ from podrl.generator.engine_processes import (
     socket_dir_path,
 )
 from podrl.v1 import common_pb2
-from podrl.weights.shm import SHM_DIR
+from podrl.weights.protocol import SHM_DIR
 from tests.generator.conftest import GeneratorProcess, start_generator, stop_generator
 from tests.generator.policy import generate
 

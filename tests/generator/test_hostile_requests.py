@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
-from podrl.weights import ManifestAssembler, PublishError, WeightPublisher, shm
-from podrl.weights.keys import WeightsKey
+from podrl.weights import ManifestAssembler, PublishError, WeightPublisher, protocol
+from podrl.weights.protocol import WeightsKey
 from tests.generator.conftest import GeneratorProcess
 from tests.generator.policy import (
     LOGPROB_TOLERANCE,
@@ -202,7 +202,7 @@ def test_a_symlink_under_a_segment_name_is_never_opened(generator, policy, tmp_p
     generator does not follow it."""
     target = tmp_path / "a-file"
     target.write_bytes(b"\x01" * 4096)
-    planted = shm.SHM_DIR / shm.segment_name()
+    planted = protocol.SHM_DIR / protocol.segment_name()
     planted.symlink_to(target)
     try:
         version = policy.version + 1

@@ -20,7 +20,7 @@ from podrl.generator.weight_state import WeightPhase, WeightState
 from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.keys import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file
+from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file
 
 SERVED = WeightState(WeightPhase.IDLE, 3, "storage-a")
 NEEDS_FULL = SERVED.needs_full("applying version 4 failed part-way")

@@ -1,4 +1,4 @@
-"""The chart gives the pod's weights key (podrl.weights.keys) to the trainer and the generator
+"""The chart gives the pod's weights key (podrl.weights.protocol) to the trainer and the generator
 only: a memory-backed emptyDir of the pod, mounted in those two containers, named by
 PODRL_WEIGHTS_KEY_FILE; the grader, the init container and the controller never see it.
 docker-compose the same way, in the /dev/shm only those two share."""

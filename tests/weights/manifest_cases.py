@@ -18,7 +18,7 @@ from podrl.weights import (
     WeightPublisher,
     WeightReceiver,
 )
-from podrl.weights.keys import WeightsKey
+from podrl.weights.protocol import WeightsKey
 from tests.harness.weights import publish_single_process
 from tests.weights.tiny_qwen3 import CONFIG
 

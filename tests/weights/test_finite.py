@@ -1,12 +1,12 @@
 """The finiteness check the trainer runs before it publishes and the receiver before it copies
-(services/podrl/weights/finite.py)."""
+(services/podrl/weights/protocol.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from podrl.weights.finite import FiniteCheck, first_non_finite
+from podrl.weights.protocol import FiniteCheck, first_non_finite
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

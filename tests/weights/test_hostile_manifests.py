@@ -18,11 +18,10 @@ import torch
 from podrl.v1 import weights_pb2
 from podrl.weights import (
     PublishError,
-    shm,
+    protocol,
 )
-from podrl.weights.codec import contiguous_strides
 from podrl.weights.errors import ManifestError
-from podrl.weights.keys import WeightsKey, manifest_mac
+from podrl.weights.protocol import WeightsKey, contiguous_strides, manifest_mac
 from podrl.weights.receiver import MAX_SHARDS_PER_TENSOR, check_shard_count
 from tests.weights.manifest_cases import (
     DENIED,
@@ -85,7 +84,7 @@ def test_only_manifests_with_the_pods_mac_are_applied(trainer) -> None:
 @pytest.fixture
 def planted() -> Iterator[Path]:
     """A path under /dev/shm with a podrl segment name of this (live) process."""
-    path = shm.SHM_DIR / shm.segment_name()
+    path = protocol.SHM_DIR / protocol.segment_name()
     yield path
     path.unlink(missing_ok=True)
 

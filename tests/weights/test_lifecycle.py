@@ -1,4 +1,4 @@
-"""The two interfaces' phases (podrl.weights.lifecycle, docs/weights.md "Lifecycle"): start,
+"""The two interfaces' phases (podrl.weights.protocol, docs/weights.md "Lifecycle"): start,
 update and finish on both sides, in order, and what a refused start leaves."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 
 from podrl.v1 import weights_pb2
 from podrl.weights import ManifestError, ManifestErrorKind, ModelDescription, WeightReceiver
-from podrl.weights.shm import list_segments
+from podrl.weights.protocol import list_segments
 from tests.weights.tiny_qwen3 import CONFIG
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_receiver_close_reaps_segments_of_trainer_killed_while_mapped(tmp_path: 
 
 
 def test_segments_of_live_processes_are_kept() -> None:
-    from podrl.weights.shm import SharedSegment, reap_orphaned_segments
+    from podrl.weights.protocol import SharedSegment, reap_orphaned_segments
 
     segment = SharedSegment(4096)
     try:
@@ -105,11 +105,11 @@ def test_segments_of_live_processes_are_kept() -> None:
 
 def _unreadable_proc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """/proc/<pid>/stat cannot be read (no /proc in the container, or a restricted one)."""
-    from podrl.weights import shm
+    from podrl.weights import protocol
 
     empty = tmp_path / "proc"
     empty.mkdir()
-    monkeypatch.setattr(shm, "PROC_DIR", empty)
+    monkeypatch.setattr(protocol, "PROC_DIR", empty)
 
 
 def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
@@ -118,7 +118,7 @@ def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
     """Before: the start time used to be encoded as 0, so every liveness check failed: the live
     segment was reaped and its manifest refused as STORAGE."""
     from podrl.weights import ManifestAssembler, WeightPublisher
-    from podrl.weights.shm import creator_alive, reap_orphaned_segments
+    from podrl.weights.protocol import creator_alive, reap_orphaned_segments
     from tests.harness.weights import publish_single_process
 
     _unreadable_proc(monkeypatch, tmp_path)
@@ -143,7 +143,7 @@ def test_creator_without_a_readable_start_time_keeps_its_segments_and_they_open(
 def test_reader_that_cannot_read_the_start_time_goes_by_the_pid(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from podrl.weights.shm import SharedSegment, creator_alive, reap_orphaned_segments
+    from podrl.weights.protocol import SharedSegment, creator_alive, reap_orphaned_segments
 
     segment = SharedSegment(4096)  # its name carries this process's real start time
     try:
@@ -157,7 +157,7 @@ def test_reader_that_cannot_read_the_start_time_goes_by_the_pid(
 
 
 def test_segment_of_a_dead_creator_with_unknown_start_time_is_reaped(tmp_path: Path) -> None:
-    from podrl.weights.shm import creator_alive, reap_orphaned_segments
+    from podrl.weights.protocol import creator_alive, reap_orphaned_segments
 
     finished = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

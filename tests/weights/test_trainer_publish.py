@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from podrl.models.tiny import make_tiny_model
 from podrl.v1 import common_pb2, trainer_pb2
 from podrl.weights import ModelDescription, WeightReceiver, vllm_layout
-from podrl.weights.shm import list_segments
+from podrl.weights.protocol import list_segments
 from tests.trainer.rank_worker import make_request
 from tests.trainer.service_process import trainer_service
 from tests.weights.reference_layout import expected_vllm_tensors

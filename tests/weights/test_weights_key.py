@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.keys import (
+from podrl.weights.protocol import (
     WEIGHTS_KEY_FILE_ENV,
     GeneratorKey,
     WeightsKeyError,

@@ -29,7 +29,7 @@ Resource name prefix: the release name (or fullnameOverride). At most 40 charact
 {{- define "podrl.runSecretDir" -}}/var/run/secrets/podrl{{- end -}}
 {{- define "podrl.runSecretFile" -}}{{ include "podrl.runSecretDir" . }}/run-secret{{- end -}}
 
-{{/* The pod's weights key (podrl.weights.keys): a memory-backed emptyDir that only the
+{{/* The pod's weights key (podrl.weights.protocol): a memory-backed emptyDir that only the
 trainer and the generator mount; the trainer creates the key there at its first start, the
 generator reads it. It lives as long as the pod, so a restarted container keeps it. */}}
 {{- define "podrl.weightsKeyDir" -}}/var/run/podrl/weights-key{{- end -}}

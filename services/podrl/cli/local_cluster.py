@@ -49,7 +49,7 @@ WORKER_ID = "local-0"
 MAX_RESTARTS = 5
 #: Exit code of a service refused at start (bad config): starting it again cannot help.
 CONFIG_ERROR_EXIT = 2
-#: The pod's weights key file (podrl.weights.keys): only its trainer and generator get it.
+#: The pod's weights key file (podrl.weights.protocol): only its trainer and generator get it.
 WEIGHTS_KEY_FILE_ENV = "PODRL_WEIGHTS_KEY_FILE"
 
 

@@ -19,7 +19,7 @@ ENV_PREFIX = "PODRL_"
 ENV_NESTING = "__"
 # PODRL_* variables that are not run-config overrides: the config file itself, the run's
 # shared secret (a file, or the value; read by podrl.common.auth, never part of the config), the
-# pod's weights key file (podrl.weights.keys) and the fault plan of chaos tests
+# pod's weights key file (podrl.weights.protocol) and the fault plan of chaos tests
 # (podrl.common.faults).
 NOT_OVERRIDES = frozenset(
     {

@@ -46,7 +46,7 @@ from podrl.generator.weight_applier import (
 )
 from podrl.generator.weight_state import WeightState, combine
 from podrl.v1 import weights_pb2
-from podrl.weights.keys import GeneratorKey
+from podrl.weights.protocol import GeneratorKey
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from podrl.generator.vllm_compat import RPC_BASE_PATH_ENV
 
 log = logging.getLogger(__name__)
 
-# As in podrl.weights.shm, which imports torch; this module must not (podrl up imports it).
+# As in podrl.weights.protocol, which imports torch; this module must not (podrl up imports it).
 SHM_DIR = Path("/dev/shm")
 PROC_DIR = Path("/proc")
 SOCKET_DIR_ENV = RPC_BASE_PATH_ENV

@@ -22,7 +22,7 @@ apply needs around the workers' call:
   unsettled apply) and re-read the workers' state.
 
 Before an apply takes any lock, the manifest must carry the MAC of the pod's weights key
-(``podrl.weights.keys``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a forged or
+(``podrl.weights.protocol``) and at most ``MAX_SHARDS_PER_TENSOR`` shards per parameter: a forged or
 oversized manifest is refused (PERMISSION_DENIED / INVALID_ARGUMENT) without holding back a
 single Generate and without touching the weight state.
 
@@ -75,7 +75,7 @@ from podrl.generator.weight_state import (
 )
 from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2
-from podrl.weights.keys import GeneratorKey
+from podrl.weights.protocol import GeneratorKey
 
 log = logging.getLogger(__name__)
 

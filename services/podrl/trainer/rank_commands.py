@@ -37,7 +37,7 @@ that times out there is outside Train's all-or-nothing rule: the gate is what ke
 Before publishing, every rank checks its own shards for NaN and infinity and the ranks agree
 (one all-reduce): if any rank holds such a value, every rank refuses alike (``PublishError`` →
 FAILED_PRECONDITION naming the rank and parameter) and nothing becomes pending. Rank 0 signs
-the manifest with the pod's weights key (``podrl.weights.keys``, ``PODRL_WEIGHTS_KEY_FILE``;
+the manifest with the pod's weights key (``podrl.weights.protocol``, ``PODRL_WEIGHTS_KEY_FILE``;
 created by the trainer's first start in the pod when the file does not exist yet).
 """
 
@@ -59,8 +59,7 @@ from podrl.trainer.errors import ErrorKind, TrainNotAllowedError, error_kind
 from podrl.v1 import trainer_pb2
 from podrl.weights.distributed import gather_bytes, gather_publications
 from podrl.weights.errors import PublishError
-from podrl.weights.keys import load_trainer_key
-from podrl.weights.lifecycle import Publisher
+from podrl.weights.protocol import Publisher, load_trainer_key
 from podrl.weights.publisher import ManifestAssembler, WeightPublisher, non_finite_message
 
 log = logging.getLogger(__name__)

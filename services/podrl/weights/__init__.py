@@ -2,7 +2,7 @@
 -> generator copy plan. Imports torch, never vLLM. See docs/weights.md.
 
 Two interfaces with vLLM's phase names (start -> update -> finish, close;
-:mod:`podrl.weights.lifecycle`): :class:`Publisher` on the trainer, :class:`Receiver` on the
+:mod:`podrl.weights.protocol`): :class:`Publisher` on the trainer, :class:`Receiver` on the
 generator; :class:`WeightPublisher` and :class:`WeightReceiver` implement them."""
 
 from podrl.weights.architectures import (
@@ -14,7 +14,7 @@ from podrl.weights.architectures import (
     vllm_layout,
 )
 from podrl.weights.errors import ManifestError, ManifestErrorKind, PublishError
-from podrl.weights.lifecycle import CopiedWeights, Publisher, RankPublication, Receiver
+from podrl.weights.protocol import CopiedWeights, Publisher, RankPublication, Receiver
 from podrl.weights.publisher import ManifestAssembler, WeightPublisher
 from podrl.weights.receiver import WeightReceiver
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from podrl.weights.lifecycle import RankPublication
+from podrl.weights.protocol import RankPublication
 
 
 def gather_bytes(

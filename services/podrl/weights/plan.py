@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from podrl.weights.architectures import TargetLayout
-from podrl.weights.codec import Box
+from podrl.weights.protocol import Box
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Trainer side: expose this rank's parameter shards through shared-memory or CUDA IPC handles.
 
-One :class:`WeightPublisher` per trainer rank, the :class:`~podrl.weights.lifecycle.Publisher`
+One :class:`WeightPublisher` per trainer rank, the :class:`~podrl.weights.protocol.Publisher`
 of ``podrl.weights``; rank 0 merges the ranks' :class:`RankPublication` (plain protobuf bytes)
 into one ``WeightManifest`` with its :class:`ManifestAssembler` (:meth:`WeightPublisher.update`).
 
@@ -21,7 +21,7 @@ holds version v").
 Weights holding NaN or infinity are never published: :meth:`WeightPublisher.start` refuses
 them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
 agrees on that first (``podrl.trainer.rank_commands``' ``WeightPublishing``). The assembler
-signs every manifest with the pod's weights key (``podrl.weights.keys``).
+signs every manifest with the pod's weights key (``podrl.weights.protocol``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,11 @@ from typing import Literal, Protocol
 
 import torch
 
-import podrl.weights.codec as codec
 import podrl.weights.cuda_ipc as cuda_ipc
-import podrl.weights.manifest as manifest
-import podrl.weights.shm as shm
+import podrl.weights.protocol as protocol
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import AcknowledgeError, PublishError
-from podrl.weights.finite import first_non_finite
-from podrl.weights.keys import WeightsKey
-from podrl.weights.lifecycle import Publisher, RankPublication
+from podrl.weights.protocol import Publisher, RankPublication, WeightsKey, first_non_finite
 
 StagingMode = Literal["auto", "shm", "live"]
 """shm: a shared-memory staging copy (CPU); live: the live parameters by CUDA IPC, no copy (GPU);
@@ -56,7 +52,7 @@ class _Storage(Protocol):
     live: bool
     """True: the handles are the parameters themselves (the optimizer must wait for the ack)."""
 
-    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+    def refresh(self, shards: Sequence[protocol.LocalShard]) -> None:
         """Make the handles hold the shards' current values."""
 
     def close(self) -> None: ...
@@ -68,22 +64,22 @@ class ShmStaging:
 
     live = False
 
-    def __init__(self, shards: Sequence[manifest.LocalShard], segment_bytes: int) -> None:
-        self.segments: list[shm.SharedSegment] = []
+    def __init__(self, shards: Sequence[protocol.LocalShard], segment_bytes: int) -> None:
+        self.segments: list[protocol.SharedSegment] = []
         self.views: list[torch.Tensor] = []
         self.handles: list[weights_pb2.TensorStorage] = []
         layout: list[tuple[int, int]] = []  # (segment index, offset) per shard
         sizes: list[int] = [0]
         for shard in shards:
             nbytes = shard.tensor.numel() * shard.tensor.element_size()
-            offset = -(-sizes[-1] // shm.ALIGNMENT) * shm.ALIGNMENT
+            offset = -(-sizes[-1] // protocol.ALIGNMENT) * protocol.ALIGNMENT
             if offset + nbytes > segment_bytes and sizes[-1] > 0:
                 sizes.append(0)
                 offset = 0
             layout.append((len(sizes) - 1, offset))
             sizes[-1] = offset + nbytes
         try:
-            self.segments = [shm.SharedSegment(size) for size in sizes]
+            self.segments = [protocol.SharedSegment(size) for size in sizes]
         except BaseException:
             self.close()
             raise
@@ -102,7 +98,7 @@ class ShmStaging:
                 )
             )
 
-    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+    def refresh(self, shards: Sequence[protocol.LocalShard]) -> None:
         with torch.no_grad():
             for view, shard in zip(self.views, shards, strict=True):
                 view.copy_(shard.tensor)
@@ -119,12 +115,12 @@ class CudaIpcExport:
 
     live = True
 
-    def __init__(self, shards: Sequence[manifest.LocalShard]) -> None:
+    def __init__(self, shards: Sequence[protocol.LocalShard]) -> None:
         self.handles = [
             weights_pb2.TensorStorage(cuda_ipc=cuda_ipc.export_tensor(s.tensor)) for s in shards
         ]
 
-    def refresh(self, shards: Sequence[manifest.LocalShard]) -> None:
+    def refresh(self, shards: Sequence[protocol.LocalShard]) -> None:
         if any(shard.tensor.is_cuda for shard in shards):
             # Kernels of the last optimizer step must be done before anyone reads.
             torch.cuda.synchronize()
@@ -138,7 +134,7 @@ class _StorageSnapshot:
     """The cheap per-publish storage check: the same parameter objects under the same names,
     each (local shard) still at the same data pointer.
 
-    A version-only publish is the common case, and the full :func:`manifest.storage_key` walk
+    A version-only publish is the common case, and the full :func:`protocol.storage_key` walk
     (DTensor ``to_local``, shape and stride of ~300-400 parameters) cost a few hundred
     microseconds of the sync; this check is one attribute read and one ``data_ptr`` per
     parameter. Anything that re-allocates a parameter (``param.data = ...``, a checkpoint
@@ -210,12 +206,12 @@ class WeightPublisher(Publisher):
         self._fingerprint: str | None = None
         self._storage_key: tuple | None = None
         self._storage_snapshot: _StorageSnapshot | None = None
-        self._local: list[manifest.LocalShard] = []
+        self._local: list[protocol.LocalShard] = []
         self._shards: list[weights_pb2.TensorShard] = []
         self._pending: int | None = None
         self._last_acknowledged: int | None = None
         self._acked = threading.Condition()
-        shm.reap_orphaned_segments()
+        protocol.reap_orphaned_segments()
 
     # -- start: publish this rank's shards ----------------------------------------------------
 
@@ -227,7 +223,7 @@ class WeightPublisher(Publisher):
 
     def non_finite_parameter(self) -> str | None:
         """The name of a local parameter shard holding NaN or infinity, or None (one cheap
-        reduction over this rank's shards, :mod:`podrl.weights.finite`)."""
+        reduction over this rank's shards, :mod:`podrl.weights.protocol`)."""
         from torch.distributed.tensor import DTensor
 
         return first_non_finite(
@@ -254,13 +250,13 @@ class WeightPublisher(Publisher):
                     )
         params = self._params_fn()
         if not self._same_storage(params):
-            key = manifest.storage_key(params)
+            key = protocol.storage_key(params)
             if key != self._storage_key:
                 # Storage changed (or first publish): describe the shards, new handles.
-                local = manifest.local_shards(params)
+                local = protocol.local_shards(params)
                 if not local:
                     raise PublishError(f"rank {self.rank} has no parameters to publish")
-                self._rebuild(local, manifest.storage_fingerprint(local), self._publish_live(local))
+                self._rebuild(local, protocol.storage_fingerprint(local), self._publish_live(local))
                 self._local, self._storage_key = local, key
             self._storage_snapshot = _StorageSnapshot.of(params)
         assert self._storage is not None and self._fingerprint is not None
@@ -275,14 +271,14 @@ class WeightPublisher(Publisher):
         snapshot = self._storage_snapshot
         return snapshot is not None and snapshot.matches(params)
 
-    def _publish_live(self, local: Sequence[manifest.LocalShard]) -> bool:
+    def _publish_live(self, local: Sequence[protocol.LocalShard]) -> bool:
         """True: export the live parameters (CUDA IPC); False: a shared-memory staging copy."""
         on_cuda = all(shard.tensor.is_cuda for shard in local)
         if self._staging_mode == "live" and not on_cuda:
             raise PublishError("staging='live' needs CUDA parameters; CPU weights use 'shm'")
         return on_cuda if self._staging_mode == "auto" else self._staging_mode == "live"
 
-    def _rebuild(self, local: Sequence[manifest.LocalShard], fingerprint: str, live: bool) -> None:
+    def _rebuild(self, local: Sequence[protocol.LocalShard], fingerprint: str, live: bool) -> None:
         if self._storage is not None:
             self._storage.close()
             self._storage = None
@@ -292,7 +288,7 @@ class WeightPublisher(Publisher):
         for shard, handle in zip(local, storage.handles, strict=True):
             message = shard.to_wire(handle, self.rank)
             if not live:
-                message.stride[:] = list(codec.contiguous_strides(shard.tensor.shape))
+                message.stride[:] = list(protocol.contiguous_strides(shard.tensor.shape))
             self._shards.append(message)
         self._fingerprint = fingerprint
 
@@ -353,7 +349,7 @@ class WeightPublisher(Publisher):
         self._fingerprint = None
         self._storage_key = None
         self._storage_snapshot = None
-        shm.reap_orphaned_segments()
+        protocol.reap_orphaned_segments()
 
 
 def non_finite_message(version: int, bad: Sequence[tuple[int, str]]) -> str:
@@ -378,7 +374,7 @@ class ManifestAssembler:
         self, version: int, parts: Sequence[RankPublication], *, force_full: bool = False
     ) -> weights_pb2.WeightManifest:
         parts = sorted(parts, key=lambda part: part.rank)
-        fingerprint = manifest.combine_fingerprints(part.fingerprint for part in parts)
+        fingerprint = protocol.combine_fingerprints(part.fingerprint for part in parts)
         full = force_full or fingerprint != self._last_fingerprint
         message = weights_pb2.WeightManifest(
             version=version,

@@ -1,6 +1,6 @@
 """Generator side: validate a manifest, open its handles once, and run the cached copy plan.
 
-:class:`WeightReceiver` is the :class:`~podrl.weights.lifecycle.Receiver` of ``podrl.weights``:
+:class:`WeightReceiver` is the :class:`~podrl.weights.protocol.Receiver` of ``podrl.weights``:
 ``start`` validates the manifest, plans and opens, ``update`` copies, ``finish`` returns the
 filled tensors; ``apply`` runs the three.
 
@@ -38,17 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-import podrl.weights.codec as codec
 import podrl.weights.cuda_ipc as cuda_ipc
-import podrl.weights.dtypes as dtypes
-import podrl.weights.shm as shm
+import podrl.weights.protocol as protocol
 from podrl.v1 import weights_pb2
 from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.finite import FiniteCheck
-from podrl.weights.keys import WeightsKey
-from podrl.weights.lifecycle import CopiedWeights, Receiver
 from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
+from podrl.weights.protocol import CopiedWeights, FiniteCheck, Receiver, WeightsKey
 
 Kind = ManifestErrorKind
 
@@ -125,7 +121,7 @@ class WeightReceiver(Receiver):
     ) -> None:
         self.description = description
         self.layout = layout if layout is not None else hf_layout(description)
-        self.dtype = dtypes.parse_dtype(dtype)
+        self.dtype = protocol.parse_dtype(dtype)
         self.device = torch.device(device)
         self.trusted_publisher_id = trusted_publisher_id
         self.copy_streams = copy_streams
@@ -137,7 +133,7 @@ class WeightReceiver(Receiver):
         self.check_finite = check_finite
         self._cached: _Cached | None = None
         self._started: _Started | None = None
-        shm.reap_orphaned_segments()
+        protocol.reap_orphaned_segments()
 
     @property
     def fingerprint(self) -> str | None:
@@ -182,11 +178,11 @@ class WeightReceiver(Receiver):
                 raise ManifestError(
                     Kind.UNKNOWN_NAME, f"{name!r} is not a parameter of this model", name=name
                 )
-            dtype = dtypes.from_wire(shard.dtype)
-            if dtype not in dtypes.CASTABLE_FLOAT_DTYPES:
+            dtype = protocol.from_wire(shard.dtype)
+            if dtype not in protocol.CASTABLE_FLOAT_DTYPES:
                 raise ManifestError(
                     Kind.DTYPE,
-                    f"{name}: dtype {dtypes.wire_name(shard.dtype)} cannot be cast into the "
+                    f"{name}: dtype {protocol.wire_name(shard.dtype)} cannot be cast into the "
                     f"model's floating weights (use float32, bfloat16 or float16)",
                     name=name,
                 )
@@ -253,9 +249,9 @@ class WeightReceiver(Receiver):
                     name=name,
                 )
         storage = shard.storage.WhichOneof("kind")
-        nbytes = math.prod(shard.local_shape) * dtypes.element_size(dtype)
+        nbytes = math.prod(shard.local_shape) * protocol.element_size(dtype)
         if storage == "shm":
-            if tuple(shard.stride) != codec.contiguous_strides(shard.local_shape):
+            if tuple(shard.stride) != protocol.contiguous_strides(shard.local_shape):
                 raise ManifestError(
                     Kind.SHAPE, f"{name}: shared-memory shards must be contiguous", name=name
                 )
@@ -267,7 +263,7 @@ class WeightReceiver(Receiver):
                     name=name,
                 )
             handle = shard.storage.shm
-            if shm.segment_creator(handle.name) is None:
+            if protocol.segment_creator(handle.name) is None:
                 raise ManifestError(
                     Kind.STORAGE, f"{name}: {handle.name!r} is not a podrl segment", name=name
                 )
@@ -280,7 +276,7 @@ class WeightReceiver(Receiver):
                 )
         elif storage == "cuda_ipc":
             span = sum((s - 1) * st for s, st in zip(shard.local_shape, shard.stride, strict=True))
-            end = shard.storage.cuda_ipc.tensor_offset + (span + 1) * dtypes.element_size(dtype)
+            end = shard.storage.cuda_ipc.tensor_offset + (span + 1) * protocol.element_size(dtype)
             if nbytes and end > shard.storage.cuda_ipc.nbytes:
                 raise ManifestError(
                     Kind.SHAPE, f"{name}: shard reaches past its CUDA storage", name=name
@@ -368,7 +364,7 @@ class WeightReceiver(Receiver):
         # fp32 -> bf16: 18.5 ms, against 13.9 ms casting on the source GPU, which sends bf16).
         gpus = {t.device.index for t in destinations.values() if t.is_cuda}
         same_dtype = {t.dtype for t in destinations.values()} == {
-            dtypes.from_wire(shard.dtype) for shard in manifest.shards
+            protocol.from_wire(shard.dtype) for shard in manifest.shards
         }
         on_device = None
         if self.map_on_destination and len(gpus) == 1 and same_dtype:
@@ -391,7 +387,7 @@ class WeightReceiver(Receiver):
         """Drop mapped handles and buffers; unlink segments of trainers that are gone."""
         self._cached = None
         self._started = None
-        shm.reap_orphaned_segments()
+        protocol.reap_orphaned_segments()
 
 
 def _shards_bytes(manifest: weights_pb2.WeightManifest) -> bytes:
@@ -410,7 +406,7 @@ def _check_tiling(
     from that product set, as many as it has: each cell once). Linear in the shards after a
     sort (comparing blocks pairwise was quadratic: 16,641 shards took minutes).
     """
-    boxes = {codec.shard_box(shard) for shard in shards}
+    boxes = {protocol.shard_box(shard) for shard in shards}
     cells = 1
     problem = ""
     for dim, full in enumerate(global_shape):
@@ -482,7 +478,7 @@ def check_shard_count(manifest: weights_pb2.WeightManifest, parameters: int) -> 
 
 
 def _require_finite(check: FiniteCheck) -> None:
-    """``NON_FINITE`` unless every opened source element is finite (:mod:`podrl.weights.finite`)."""
+    """``NON_FINITE`` unless every opened source element is finite (``FiniteCheck``)."""
     bad = check.first_non_finite()
     if bad is not None:
         raise ManifestError(
@@ -504,13 +500,13 @@ def _open_sources(
     """
     segments: dict[str, torch.Tensor] = {}
     sources: dict[str, list[SourceShard]] = {}
-    seen: set[tuple[str, codec.Box]] = set()
+    seen: set[tuple[str, protocol.Box]] = set()
     for shard in shards:
-        box = codec.shard_box(shard)
+        box = protocol.shard_box(shard)
         if (shard.name, box) in seen:
             continue
         seen.add((shard.name, box))
-        dtype = dtypes.from_wire(shard.dtype)
+        dtype = protocol.from_wire(shard.dtype)
         assert dtype is not None  # validated
         try:
             tensor = _open_shard(shard, dtype, segments, on_device, segment_owner_uid)
@@ -532,13 +528,13 @@ def _open_shard(
     shape = tuple(shard.local_shape)
     if shard.storage.WhichOneof("kind") == "shm":
         handle = shard.storage.shm
-        if not shm.creator_alive(handle.name):
+        if not protocol.creator_alive(handle.name):
             raise FileNotFoundError(
                 f"the creator of {handle.name} is not running (or not visible: trainer and "
                 "generator need one PID namespace, shareProcessNamespace: true)"
             )
         if handle.name not in segments:
-            segments[handle.name] = shm.open_segment_readonly(
+            segments[handle.name] = protocol.open_segment_readonly(
                 handle.name, nbytes=handle.segment_nbytes, owner_uid=segment_owner_uid
             )
         data = segments[handle.name]
@@ -547,6 +543,6 @@ def _open_shard(
         return data[handle.offset : handle.offset + handle.nbytes].view(dtype).view(shape)
     handle = shard.storage.cuda_ipc
     storage, index = cuda_ipc.open_storage(handle, on_device=on_device)
-    element = dtypes.element_size(dtype)
+    element = protocol.element_size(dtype)
     tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
     return tensor.set_(storage, handle.tensor_offset // element, shape, tuple(shard.stride))
