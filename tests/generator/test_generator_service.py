@@ -103,6 +103,64 @@ def test_seed_reproduces_and_different_seeds_differ(generator: GeneratorProcess)
     assert tokens != [tuple(s.token_ids) for s in other.samples]
 
 
+def _seeded(
+    generator: GeneratorProcess, prompts: list[tuple[str, int]], request_seed: int | None = None
+) -> list[list[tuple[int, ...]]]:
+    """Each prompt's samples' tokens, the prompt sent with its own seed."""
+    sampling = common_pb2.SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=request_seed)
+    reply = generator.stub.Generate(
+        generator_pb2.GenerateRequest(
+            prompts=[
+                common_pb2.Prompt(id=f"p{i}", text=text, seed=seed)
+                for i, (text, seed) in enumerate(prompts)
+            ],
+            sampling=sampling,
+            request_id="prompt-seeds",
+        ),
+        timeout=120,
+    )
+    return [
+        [tuple(s.token_ids) for s in reply.samples if s.prompt_id == f"p{i}"]
+        for i in range(len(prompts))
+    ]
+
+
+def test_a_prompts_own_seed_reproduces_its_samples_in_any_batch(
+    generator: GeneratorProcess,
+) -> None:
+    """What the controller relies on for loop.sampling.seed: a prompt's samples depend on its
+    seed only, not on the prompts beside it (another pod's share) nor on the request's seed."""
+    both = _seeded(generator, [(PROMPTS[0], 101), (PROMPTS[1], 202)])
+    alone = _seeded(generator, [(PROMPTS[1], 202)], request_seed=5)
+    twice = _seeded(generator, [(PROMPTS[0], 101), (PROMPTS[0], 303)])
+    assert alone[0] == both[1]
+    assert twice[0] == both[0]
+    assert twice[1] != twice[0]  # the same text under another seed
+    assert both[0][0] != both[0][1]  # vLLM's seed + i: the n samples differ
+
+
+def test_a_seed_whose_last_sample_passes_2_to_the_64_is_refused(
+    generator: GeneratorProcess,
+) -> None:
+    for prompt_seed, request_seed, field in (
+        (2**64 - 1, None, "prompts[0].seed"),
+        (None, 2**64 - 1, "sampling.seed"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            generator.stub.Generate(
+                generator_pb2.GenerateRequest(
+                    prompts=[common_pb2.Prompt(id="p", text=PROMPTS[0], seed=prompt_seed)],
+                    sampling=common_pb2.SamplingParams(
+                        n=2, max_tokens=4, temperature=1.0, seed=request_seed
+                    ),
+                ),
+                timeout=60,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert field in err.value.details()
+    assert generate(generator, n=2, max_tokens=4, seed=2**64 - 2).samples  # still serving
+
+
 def test_max_tokens_gives_length_finish(generator: GeneratorProcess) -> None:
     reply = generate(generator, max_tokens=5, seed=3)
     for sample in reply.samples:

@@ -215,9 +215,10 @@ class VllmEngine:
         request_id: str,
         timeout: float | None,
         on_cancel: Callable[[Callable[[], None]], None] | None = None,
+        seeds: Sequence[int | None] | None = None,
     ) -> GenerateResult:
         """``Generation.generate`` (see there)."""
-        return self._generating().generate(prompts, sampling, request_id, timeout, on_cancel)
+        return self._generating().generate(prompts, sampling, request_id, timeout, on_cancel, seeds)
 
     def _generating(self) -> Generation:
         if self._generation is None:

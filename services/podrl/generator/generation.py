@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from podrl.config.generator import GeneratorConfig
@@ -114,13 +114,21 @@ class Generation:
         request_id: str,
         timeout: float | None,
         on_cancel: Callable[[Callable[[], None]], None] | None = None,
+        seeds: Sequence[int | None] | None = None,
     ) -> GenerateResult:
         """Sample ``sampling.n`` completions per prompt, all under one policy version (or, when
         an in-flight apply lands meanwhile, the versions each prompt's ``last_policy_version``
-        says from the call's ``policy_version`` on)."""
+        says from the call's ``policy_version`` on). ``seeds``: one per prompt, in place of
+        ``sampling.seed`` where not None."""
         deadline = deadline_after(timeout)
         stop_token_ids = stop_tokens_for(sampling.stop, self._lone_tokens)
-        params = self._sampling_params(sampling, stop_token_ids)
+        shared = self._sampling_params(sampling, stop_token_ids)
+        params = [
+            shared
+            if seed is None
+            else self._sampling_params(replace(sampling, seed=seed), stop_token_ids)
+            for seed in (seeds or [None] * len(prompts))
+        ]
         if not self._admission.acquire(timeout=seconds_left(deadline)):
             raise LockTimeoutError("too many concurrent Generate calls; deadline passed waiting")
         try:
@@ -180,7 +188,7 @@ class Generation:
             raise InvalidRequestError(f"sampling: {err}") from None
 
     async def _generate_all(
-        self, prompts: Sequence[Sequence[int]], params: Any, request_id: str
+        self, prompts: Sequence[Sequence[int]], params: Sequence[Any], request_id: str
     ) -> tuple[list[Any], GenerateSpan]:
         """The final outputs, and the versions served while they were sampled. On the loop
         thread, where in-flight applies change the mirror (between two engine steps), so the
@@ -195,7 +203,7 @@ class Generation:
             final = None
             rid = f"{request_id or 'gen'}-{next(self._request_ids)}-{index}"
             async for output in self._engine.generate(
-                TokensPrompt(prompt_token_ids=list(token_ids)), params, rid
+                TokensPrompt(prompt_token_ids=list(token_ids)), params[index], rid
             ):
                 final = output
             span.last_versions[index] = applier.state.version

@@ -83,6 +83,8 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
         raise InvalidRequestError("sampling.top_k must be ≥ -1 (0 or -1 = no top-k filter)")
     if any(not s for s in params.stop):
         raise InvalidRequestError("sampling.stop must not contain empty strings")
+    if params.HasField("seed"):
+        check_seed("sampling.seed", params.seed, params.n or 1)
     return SamplingRequest(
         n=params.n or 1,
         temperature=params.temperature,
@@ -92,6 +94,21 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
         stop=tuple(params.stop),
         seed=params.seed if params.HasField("seed") else None,
     )
+
+
+#: torch's random generators take seeds up to this one.
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(field: str, seed: int, n: int) -> None:
+    """vLLM seeds sample i of a prompt with ``seed + i``; past MAX_SEED torch's generator
+    raises inside the engine core (the in-process engine failed, and the call was answered
+    UNKNOWN), so such a seed is refused before the engine sees it."""
+    if seed + n - 1 > MAX_SEED:
+        raise InvalidRequestError(
+            f"{field} ({seed}) + sampling.n - 1 must be at most 2**64 - 1 (vLLM seeds sample i "
+            "with seed + i); choose a smaller seed"
+        )
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
@@ -122,8 +139,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     f"exceed generator.max_samples_per_request ({cap}); split the request"
                 )
             token_ids = []
+            seeds: list[int | None] = []
             longest = self._engine.max_prompt_chars
             for i, prompt in enumerate(request.prompts):
+                if prompt.HasField("seed"):
+                    check_seed(f"prompts[{i}].seed", prompt.seed, sampling.n)
+                seeds.append(prompt.seed if prompt.HasField("seed") else None)
                 if not prompt.token_ids and longest is not None and len(prompt.text) > longest:
                     # Before the tokenizer sees it: one 100 MB prompt took 21 GB and minutes.
                     raise InvalidRequestError(
@@ -141,6 +162,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 request.request_id,
                 timeout=context.time_remaining(),
                 on_cancel=lambda cancel: context.add_callback(cancel),
+                seeds=seeds,
             )
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
