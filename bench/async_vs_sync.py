@@ -100,8 +100,8 @@ def _config(work: Path, model: Path, mode: str, name: str, args: argparse.Namesp
         eval_every=args.eval_every,
         checkpoint_every=0,
         export_at_end=False,
-        sample_seed=args.seed,
     )
+    loop["sampling"] = {**loop.get("sampling", {}), "seed": args.seed}
     if mode == "async":
         loop.update(mode="async", max_staleness=1, weight_apply=args.weight_apply)
     path = work / f"run-{name}.yaml"
@@ -205,7 +205,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="the demo's 100")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of steps/s")
-    parser.add_argument("--seed", type=int, default=0, help="loop.sample_seed of every run")
+    parser.add_argument("--seed", type=int, default=0, help="loop.sampling.seed of every run")
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs of each mode, alternating (median)"
     )

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.controller.fake_cluster import Cluster, check_every_prompt_once, digest
-from tests.controller.fake_pod_loop import PROMPTS
+from tests.controller.fake_pod_loop import GROUP, PROMPTS
 from tests.controller.fake_workers import FakePod, FakeReplicaGroup
 
 STEPS = 6
@@ -180,7 +180,7 @@ def test_max_staleness_zero_is_the_synchronous_run_step_for_step(
         cluster = Cluster(tmp_path / mode, grader_address, FakeReplicaGroup())
         pods[mode] = [_slow(cluster.add("pod-0")), _slow(cluster.add("pod-1"))]
         try:
-            runs[mode] = cluster.run(steps=4, sample_seed=7, **loop)
+            runs[mode] = cluster.run(steps=4, sampling={"n": GROUP, "seed": 7}, **loop)
         finally:
             cluster.stop()
         assert runs[mode]["state"].phase == "finished", runs[mode]["state"].error

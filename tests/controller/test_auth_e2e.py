@@ -76,8 +76,13 @@ def _config(run_dir: Path, model: Path) -> Path:
         "loop": {
             "steps": STEPS,
             "prompts_per_step": 6,
-            "sampling": {"n": 6, "max_tokens": 4, "stop": ["\n"], "temperature": 1.0},
-            "sample_seed": 11,
+            "sampling": {
+                "n": 6,
+                "max_tokens": 4,
+                "stop": ["\n"],
+                "temperature": 1.0,
+                "seed": 11,
+            },
             "checkpoint_every": 0,
             "export_at_end": False,
         },

@@ -19,6 +19,16 @@ class SamplingConfig(Section):
     top_k: int = Field(0, ge=-1, description="Top-k sampling; 0 or -1 disables it.")
     max_tokens: int = Field(32, ge=1, description="Longest completion in tokens.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="The run's sampling seed: each prompt of each step is sampled with a seed "
+        'derived from this one, its step and its prompt id (docs/generator.md, "Reproducible '
+        'sampling"), so two runs with the same seed on the same machine write the same '
+        "samples, whichever pod generated a prompt and across a resume. None = unseeded: "
+        "vLLM's seeded requests sample one request at a time in its sampler, and on GPUs "
+        "batched kernels vary with the batch anyway.",
+    )
 
 
 class DriftWarningsConfig(Section):
@@ -149,9 +159,6 @@ class LoopConfig(Section):
         "were scored without error (advantages need at least two rewards to compare); otherwise "
         "the whole group is dropped. At most sampling.n.",
     )
-    sample_seed: int | None = Field(
-        None, description="Base seed for sampling (step s uses seed + s); None = unseeded."
-    )
     workers_timeout_seconds: float = Field(
         600.0, gt=0, description="How long a step waits for enough healthy worker pods."
     )
@@ -175,6 +182,18 @@ class LoopConfig(Section):
         description="When the run finishes, the trainer writes the policy as a Hugging Face "
         "folder to <run_dir>/export (ExportHF); summary.json names it.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_sample_seed(cls, data: object) -> object:
+        # The field of earlier versions (one seed per step for every prompt): say where it went
+        # rather than only that it is unknown.
+        if isinstance(data, dict) and "sample_seed" in data:
+            raise ValueError(
+                "loop.sample_seed is now loop.sampling.seed (each prompt of a step gets a seed of "
+                "its own): move the value there"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_staleness_mode(self) -> LoopConfig:

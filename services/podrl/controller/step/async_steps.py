@@ -116,7 +116,6 @@ class AsyncSteps:
                     step,
                     batch.data,
                     self.config.sampling,
-                    self.parts.seed_for(step),
                     None,
                     self.parts.table.generating(),
                 )

@@ -173,10 +173,6 @@ class StepParts:
             timings[phase] = round(time.perf_counter() - start, 4)
             metrics.PHASE_SECONDS.labels(phase).observe(timings[phase])
 
-    def seed_for(self, step: int) -> int | None:
-        seed = self.loop_config.sample_seed
-        return None if seed is None else seed + step
-
     def build_batch(self, data: StepSamples) -> TrainBatch:
         return build_batch(
             data,
@@ -330,11 +326,10 @@ class SyncSteps:
         generating = parts.timed("align", {}, lambda: parts.weights.align(parts.table, expected))
         data = StepSamples(items=parts.source.next_prompts(config.prompts_per_step))
         position_after = parts.source.position()
-        seed = parts.seed_for(step)
         parts.timed(
             "generate",
             timings,
-            lambda: parts.phases.generate(step, data, config.sampling, seed, expected, generating),
+            lambda: parts.phases.generate(step, data, config.sampling, expected, generating),
         )
         parts.timed("score", timings, lambda: parts.phases.score(data, parts.table.pods()))
         check_score_errors(data, config.max_score_error_rate)
@@ -422,7 +417,7 @@ class GrpoLoop:
             version = self.state.policy_version
             with parts.gate.loop():  # async mode: between two of the producer's batches
                 pods = parts.weights.align(parts.table, version)
-                parts.phases.generate(step, data, sampling, None, version, pods)
+                parts.phases.generate(step, data, sampling, version, pods)
             parts.phases.score(data, parts.table.pods())
 
         return run

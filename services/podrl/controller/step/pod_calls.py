@@ -75,6 +75,7 @@ the sync (:meth:`WeightSync.wake_pods`, retried on its own as the sync is).
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import queue
 import threading
@@ -183,6 +184,24 @@ class WorkerClients:
 
 
 # -- generate and score ----------------------------------------------------------------------------
+#: Derived seeds stay below 2**62: vLLM seeds sample i with ``seed + i`` (n ≤ 1024), which then
+#: fits a signed 64-bit integer (torch's generators take at most 2**64 - 1).
+PROMPT_SEED_BITS = 62
+
+
+def prompt_seed(seed: int, step: int, prompt_id: str) -> int:
+    """The seed of one prompt's samples in ``step`` under the run's ``loop.sampling.seed``.
+
+    A hash of the three (SHA-256, independent of PYTHONHASHSEED), not ``seed + step``: a prompt
+    gets the same seed whichever pod generates it and after a resume (step numbers and prompt
+    ids are restored), prompts of one step get different ones, and two runs whose seeds differ
+    by one share no step's seeds. The top 62 bits of the digest: vLLM's sample ``i`` uses
+    ``seed + i``, so different prompts' streams overlap only if two 62-bit hashes fall within
+    ``n`` of each other."""
+    digest = hashlib.sha256(f"{seed}:{step}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - PROMPT_SEED_BITS)
+
+
 def split_round_robin(items: Sequence[T], parts: int) -> list[list[T]]:
     """Round-robin split into ``parts`` non-empty chunks (fewer when there are few items)."""
     chunks = [list(items[i::parts]) for i in range(parts)]
@@ -279,12 +298,12 @@ class WorkerPhases:
         step: int,
         data: StepSamples,
         sampling: SamplingConfig,
-        seed: int | None,
         policy_version: int | None,
         pods: list[Pod],
     ) -> None:
         """``sampling.n`` samples of every prompt into ``data.samples``, each prompt on one of
-        ``pods`` (recorded in ``data.pod_of``); every one must come back, sampled by
+        ``pods`` (recorded in ``data.pod_of``), seeded by ``prompt_seed`` when ``sampling.seed``
+        is set; every one must come back, sampled by
         ``policy_version`` (None, in async mode: by whichever version the pod's generator holds,
         one version per group; the consumer judges its staleness)."""
         pods = self._check_pods(pods)
@@ -298,8 +317,10 @@ class WorkerPhases:
             max_tokens=sampling.max_tokens,
             stop=sampling.stop,
         )
-        if seed is not None:
-            params.seed = seed
+        seeds = {
+            item.id: None if sampling.seed is None else prompt_seed(sampling.seed, step, item.id)
+            for item in data.items
+        }
 
         def call(pod: Pod, chunk: list[PromptItem]) -> None:
             request = generator_pb2.GenerateRequest(
@@ -310,6 +331,7 @@ class WorkerPhases:
                         task=item.task,
                         reference=item.reference,
                         metadata=item.metadata,
+                        seed=seeds[item.id],
                     )
                     for item in chunk
                 ],
