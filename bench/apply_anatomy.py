@@ -83,13 +83,13 @@ class CallTimes:
 
 def wrap_worker_side(times: CallTimes) -> None:
     """The receiver's parts (module functions and class methods, so every receiver is timed)."""
-    from podrl.weights import plan, receiver
+    from podrl.weights import receiver
 
     times.wrap(receiver.WeightReceiver, "validate", "worker.validate")
     times.wrap(receiver, "_require_finite", "worker.require_finite")
     times.wrap(receiver.WeightReceiver, "_compile", "worker.compile_plan")
-    times.wrap(plan.CopyPlan, "launch", "worker.plan_launch")
-    times.wrap(plan.CopyPlan, "wait", "worker.plan_wait")
+    times.wrap(receiver.CopyPlan, "launch", "worker.plan_launch")
+    times.wrap(receiver.CopyPlan, "wait", "worker.plan_wait")
     times.wrap(receiver.WeightReceiver, "apply", "worker.receiver_apply")
     if torch.cuda.is_available():
         times.wrap(torch.cuda, "synchronize", "worker.cuda_synchronize")

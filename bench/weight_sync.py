@@ -55,10 +55,15 @@ from podrl.weights import (
     protocol,
     vllm_layout,
 )
-from podrl.weights.architectures import TargetLayout, TargetTensor
-from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
 from podrl.weights.protocol import element_size, from_wire, parse_dtype
 from podrl.weights.publisher import ManifestAssembler, ShmStaging, WeightPublisher
+from podrl.weights.receiver import (
+    DEFAULT_COPY_STREAMS,
+    CopyPlan,
+    SourceShard,
+    TargetLayout,
+    TargetTensor,
+)
 
 # verl's default bucket: CheckpointEngineConfig.update_weights_bucket_megabytes = 2048
 # (verl/workers/config/rollout.py, verl-project/verl, formerly volcengine/verl).

@@ -29,7 +29,7 @@ def test_overrun_is_not_negative() -> None:
 
 
 def test_copy_streams_default_to_the_copy_plans_and_are_at_least_one() -> None:
-    from podrl.weights.plan import DEFAULT_COPY_STREAMS
+    from podrl.weights.receiver import DEFAULT_COPY_STREAMS
 
     # The config cannot import the plan (the controller imports no torch): the same number.
     assert GeneratorConfig().weight_copy_streams == DEFAULT_COPY_STREAMS

@@ -10,7 +10,7 @@ import torch
 
 from podrl.v1 import weights_pb2
 from podrl.weights import cuda_ipc
-from podrl.weights.plan import CopyOp, CopyPlan
+from podrl.weights.receiver import CopyOp, CopyPlan
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from podrl.weights.plan import CopyOp, CopyPlan, balance_lanes
 from podrl.weights.publisher import ManifestAssembler, WeightPublisher
+from podrl.weights.receiver import CopyOp, CopyPlan, balance_lanes
 
 
 def _op(numel: int) -> CopyOp:

@@ -87,7 +87,7 @@ class VllmEngine:
         """Load the engine (blocks; ~20-60 s for the tiny model on a 2-core CPU)."""
         from vllm.platforms import current_platform
 
-        from podrl.weights.architectures import ModelDescription
+        from podrl.weights.receiver import ModelDescription
 
         started = time.perf_counter()
         vllm_version = check_vllm_version()

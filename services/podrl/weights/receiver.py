@@ -7,10 +7,10 @@ filled tensors; ``apply`` runs the three.
 Two ways to consume (pick with ``destinations``):
 
 (a) in place: ``receiver.apply(manifest, destinations=dict(vllm_model.named_parameters()))``
-    with a :func:`~podrl.weights.architectures.vllm_layout` — copies straight into vLLM's own
+    with a :func:`vllm_layout` — copies straight into vLLM's own
     (fused, TP-sliced) parameters. For GPUs, where unquantized weights are plain tensors.
 (b) materialised: ``for hf_name, tensor in receiver.apply(manifest): ...`` with the default
-    :func:`~podrl.weights.architectures.hf_layout` — full tensors in HF naming and the target
+    :func:`hf_layout` — full tensors in HF naming and the target
     dtype, held in buffers the receiver owns and reuses (valid until the next ``apply``), for
     vLLM's reload path (``model.load_weights``) on the CPU backend, which repacks linear weights.
 
@@ -25,26 +25,469 @@ a plan for that storage), in time linear in the shards (sorting aside) and with 
 number, and that the weights it is about to copy are all finite; it does not order versions.
 Which version a generator serves, and whether a manifest may replace it, is
 ``podrl.generator.weight_state``'s to decide (one place), after the copy *and* vLLM's load.
+
+The receiver's two parts are here too: what it expects (the model's parameters and how each maps
+onto vLLM's layout, :class:`ModelDescription`, :func:`vllm_layout`, :func:`hf_layout`) and the copy
+plan it compiles once per storage fingerprint (:class:`CopyPlan`).
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
+import json
 import math
 import os
+import re
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 import podrl.weights.cuda_ipc as cuda_ipc
 import podrl.weights.protocol as protocol
 from podrl.v1 import weights_pb2
-from podrl.weights.architectures import ModelDescription, TargetLayout, hf_layout
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.plan import DEFAULT_COPY_STREAMS, CopyPlan, SourceShard
-from podrl.weights.protocol import CopiedWeights, FiniteCheck, Receiver, WeightsKey
+from podrl.weights.protocol import Box, CopiedWeights, FiniteCheck, Receiver, WeightsKey
+
+# -- what a receiver expects: target layouts -------------------------------------------------------
+#
+# What a receiver expects: the model's parameters (HF names, shapes) and how each maps onto
+# vLLM's layout. The HF -> vLLM name mapping is ONE TABLE PER ARCHITECTURE below.
+#
+# vLLM fuses ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj`` and ``gate_proj``/``up_proj`` into
+# ``gate_up_proj`` (concatenated on dim 0, each part sliced per tensor-parallel rank), splits the
+# row-parallel ``o_proj``/``down_proj`` on dim 1, splits the vocab-parallel ``embed_tokens`` /
+# ``lm_head`` on dim 0 (vocabulary padded to a multiple of 64) and replicates norms.
+
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+class Split(enum.Enum):
+    REPLICATED = "replicated"
+    ROW = "row"  # split on dim 1 (row-parallel linear weight)
+    VOCAB = "vocab"  # split on dim 0 after padding the vocabulary
+    Q = "q"  # parts of the fused qkv_proj
+    K = "k"
+    V = "v"
+    GATE = "gate"  # parts of the fused gate_up_proj
+    UP = "up"
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """HF parameter names matching ``pattern`` become ``target`` (``re.sub`` template)."""
+
+    pattern: str
+    target: str
+    split: Split
+
+
+# fmt: off
+# Llama-style decoders: vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj.
+LLAMA_TABLE: tuple[NameRule, ...] = (
+    NameRule(r"^model\.embed_tokens\.weight$", r"model.embed_tokens.weight", Split.VOCAB),
+    NameRule(r"^lm_head\.weight$", r"lm_head.weight", Split.VOCAB),
+    NameRule(r"^model\.norm\.weight$", r"model.norm.weight", Split.REPLICATED),
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.q_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.Q),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.k_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.K),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.v_proj\.(weight|bias)$", r"\1.self_attn.qkv_proj.\2", Split.V),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.o_proj\.weight$", r"\1.self_attn.o_proj.weight", Split.ROW),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.o_proj\.bias$", r"\1.self_attn.o_proj.bias", Split.REPLICATED),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.mlp\.gate_proj\.weight$", r"\1.mlp.gate_up_proj.weight", Split.GATE),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.mlp\.up_proj\.weight$", r"\1.mlp.gate_up_proj.weight", Split.UP),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.mlp\.down_proj\.weight$", r"\1.mlp.down_proj.weight", Split.ROW),  # noqa: E501
+    NameRule(r"^(model\.layers\.\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"\1.\2.weight", Split.REPLICATED),  # noqa: E501
+)
+
+# Qwen3 = the Llama layout plus per-head RMS norms on queries and keys (replicated).
+QWEN3_TABLE: tuple[NameRule, ...] = (
+    *LLAMA_TABLE,
+    NameRule(r"^(model\.layers\.\d+)\.self_attn\.(q_norm|k_norm)\.weight$", r"\1.self_attn.\2.weight", Split.REPLICATED),  # noqa: E501
+)
+# fmt: on
+
+ARCHITECTURE_TABLES: dict[str, tuple[NameRule, ...]] = {
+    "Qwen3ForCausalLM": QWEN3_TABLE,
+    "LlamaForCausalLM": LLAMA_TABLE,
+}
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """The parameters a receiver expects (HF names -> global shapes) and the attention shape."""
+
+    architecture: str
+    params: Mapping[str, tuple[int, ...]]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, object] | object) -> ModelDescription:
+        """From a Hugging Face config (``config.json`` dict or ``PretrainedConfig``)."""
+        cfg = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in ARCHITECTURE_TABLES:
+            raise ValueError(
+                f"architecture {arch!r} has no weight-transfer table; "
+                f"supported: {sorted(ARCHITECTURE_TABLES)}"
+            )
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        inter = int(cfg["intermediate_size"])
+        vocab = int(cfg["vocab_size"])
+        attn_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+        params: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+        for i in range(int(cfg["num_hidden_layers"])):
+            p = f"model.layers.{i}"
+            params[f"{p}.input_layernorm.weight"] = (hidden,)
+            params[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+            for proj, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                params[f"{p}.self_attn.{proj}_proj.weight"] = (rows * head_dim, hidden)
+                if attn_bias:
+                    params[f"{p}.self_attn.{proj}_proj.bias"] = (rows * head_dim,)
+            params[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+            if attn_bias:
+                params[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+            if arch == "Qwen3ForCausalLM":
+                params[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
+                params[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
+            params[f"{p}.mlp.gate_proj.weight"] = (inter, hidden)
+            params[f"{p}.mlp.up_proj.weight"] = (inter, hidden)
+            params[f"{p}.mlp.down_proj.weight"] = (hidden, inter)
+            if mlp_bias:
+                raise ValueError("mlp_bias=True is not supported by the weight-transfer table")
+        params["model.norm.weight"] = (hidden,)
+        if not cfg.get("tie_word_embeddings", False):
+            params["lm_head.weight"] = (vocab, hidden)
+        return cls(
+            architecture=arch,
+            params=params,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            intermediate_size=inter,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelDescription:
+        """From a Hugging Face model folder's ``config.json`` (what vLLM loads)."""
+        path = Path(model_dir) / "config.json"
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+@dataclass
+class TargetPiece:
+    """Copy ``src`` (a block of HF tensor ``hf_name``) to ``dst_offset`` of the target tensor."""
+
+    hf_name: str
+    src: Box
+    dst_offset: tuple[int, ...]
+
+
+@dataclass
+class TargetTensor:
+    """One tensor the receiver fills, and which blocks of which HF tensors go where."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: list[TargetPiece] = field(default_factory=list)
+
+
+TargetLayout = Mapping[str, TargetTensor]
+
+
+def hf_layout(description: ModelDescription) -> dict[str, TargetTensor]:
+    """Full tensors in HF naming (vLLM's reload path / ``load_weights`` takes these)."""
+    return {
+        name: TargetTensor(
+            name, shape, [TargetPiece(name, Box((0,) * len(shape), shape), (0,) * len(shape))]
+        )
+        for name, shape in description.params.items()
+    }
+
+
+def _rule_for(table: tuple[NameRule, ...], name: str) -> tuple[NameRule, str] | None:
+    for rule in table:
+        if re.match(rule.pattern, name):
+            return rule, re.sub(rule.pattern, rule.target, name)
+    return None
+
+
+def _check_divisible(what: str, size: int, tp_size: int) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
+    return size // tp_size
+
+
+def vllm_layout(
+    description: ModelDescription, tp_rank: int, tp_size: int
+) -> dict[str, TargetTensor]:
+    """vLLM's parameters on tensor-parallel rank ``tp_rank`` of ``tp_size`` (vLLM naming)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+    table = ARCHITECTURE_TABLES[description.architecture]
+    hd = description.head_dim
+    q_heads = _check_divisible("num_attention_heads", description.num_attention_heads, tp_size)
+    kv_total = description.num_key_value_heads
+    if tp_size >= kv_total:
+        # vLLM replicates KV heads: each rank holds one, shared by tp_size // kv_total ranks.
+        if tp_size % kv_total:
+            raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of {kv_total}")
+        kv_heads, kv_first = 1, tp_rank // (tp_size // kv_total)
+    else:
+        kv_heads = _check_divisible("num_key_value_heads", kv_total, tp_size)
+        kv_first = tp_rank * kv_heads
+    inter = _check_divisible("intermediate_size", description.intermediate_size, tp_size)
+    padded_vocab = -(-description.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    vocab_per_rank = _check_divisible("padded vocab", padded_vocab, tp_size)
+
+    targets: dict[str, TargetTensor] = {}
+    for hf_name, shape in description.params.items():
+        found = _rule_for(table, hf_name)
+        if found is None:
+            raise ValueError(f"{hf_name}: no rule in the {description.architecture} table")
+        rule, target_name = found
+        rest = shape[1:]
+        zeros_rest = (0,) * len(rest)
+        if rule.split is Split.REPLICATED:
+            target_shape, src, dst = shape, Box((0,) * len(shape), shape), (0,) * len(shape)
+        elif rule.split is Split.ROW:
+            cols = _check_divisible(f"{hf_name} dim 1", shape[1], tp_size)
+            target_shape = (shape[0], cols)
+            src, dst = Box((0, tp_rank * cols), target_shape), (0, 0)
+        elif rule.split is Split.VOCAB:
+            start = tp_rank * vocab_per_rank
+            rows = max(0, min(vocab_per_rank, description.vocab_size - start))
+            target_shape = (vocab_per_rank, *rest)
+            src, dst = Box((start, *zeros_rest), (rows, *rest)), (0, *zeros_rest)
+        elif rule.split in (Split.Q, Split.K, Split.V):
+            q_rows, kv_rows = q_heads * hd, kv_heads * hd
+            target_shape = (q_rows + 2 * kv_rows, *rest)
+            if rule.split is Split.Q:
+                src = Box((tp_rank * q_rows, *zeros_rest), (q_rows, *rest))
+                dst = (0, *zeros_rest)
+            else:
+                src = Box((kv_first * hd, *zeros_rest), (kv_rows, *rest))
+                at = q_rows if rule.split is Split.K else q_rows + kv_rows
+                dst = (at, *zeros_rest)
+        else:  # GATE / UP
+            target_shape = (2 * inter, *rest)
+            src = Box((tp_rank * inter, *zeros_rest), (inter, *rest))
+            dst = (0 if rule.split is Split.GATE else inter, *zeros_rest)
+        target = targets.setdefault(target_name, TargetTensor(target_name, target_shape))
+        if target.shape != target_shape:
+            raise ValueError(
+                f"{target_name}: parts disagree on shape ({target.shape} vs {target_shape})"
+            )
+        if src.numel:
+            target.pieces.append(TargetPiece(hf_name, src, dst))
+    return targets
+
+
+# -- the copy plan ---------------------------------------------------------------------------------
+#
+# The copy plan: (opened source shards, target layout, destination tensors) -> slice copies.
+#
+# Compiled once per storage fingerprint. Every op is a pair of tensor *views* — a block of a
+# source shard mapped from the trainer and the matching block of a destination tensor — so running
+# the plan for a new version is only ``dst.copy_(src)`` per op (slice, cast and copy in one).
+
+
+@dataclass(frozen=True)
+class SourceShard:
+    """One opened shard: the block of the global HF tensor it holds and its data."""
+
+    box: Box
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    target: str
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+# Side streams a single-GPU plan's graph is captured over: hundreds of small copies (norms,
+# per-layer slices) then run as parallel graph branches instead of one after the other.
+DEFAULT_COPY_STREAMS = 4
+
+
+def _op_bytes(op: CopyOp) -> int:
+    return op.dst.numel() * op.dst.element_size()
+
+
+def balance_lanes(ops: Sequence[CopyOp], lanes: int) -> list[list[CopyOp]]:
+    """Split ``ops`` into ``lanes`` groups of about equal bytes, largest copies first.
+
+    Greedy longest-processing-time: each op (largest first) goes to the lane with the fewest
+    bytes so far, so the big copies start at once and the small ones fill in behind them.
+    """
+    lanes = max(1, lanes)
+    groups: list[list[CopyOp]] = [[] for _ in range(lanes)]
+    loads = [0] * lanes
+    for op in sorted(ops, key=_op_bytes, reverse=True):
+        lane = loads.index(min(loads))
+        groups[lane].append(op)
+        loads[lane] += _op_bytes(op)
+    return [group for group in groups if group]
+
+
+class CopyPlan:
+    def __init__(
+        self, ops: list[CopyOp], *, use_graph: bool = True, streams: int = DEFAULT_COPY_STREAMS
+    ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, not {streams}")
+        self.ops = ops
+        self.streams = streams
+        # One multi-tensor copy per (source device/dtype, destination device/dtype) group:
+        # a few kernel launches per sync instead of one per slice.
+        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for op in ops:
+            key = (op.src.device, op.src.dtype, op.dst.device, op.dst.dtype)
+            dsts, srcs = groups.setdefault(key, ([], []))
+            dsts.append(op.dst)
+            srcs.append(op.src)
+        self._groups = list(groups.items())
+        # Every CUDA device a copy touches: a peer copy runs on the source device's stream and
+        # the destination's stream waits for it, so completion is awaited on both. (The
+        # receiver maps peer sources on the destination device where it can, so a GPU0 -> GPU1
+        # plan normally touches GPU1 only and is graph-captured like a same-GPU one.)
+        self._cuda_devices = sorted(
+            {t.device.index for op in ops for t in (op.src, op.dst) if t.is_cuda}
+        )
+        # A plan that stays on one GPU is replayed as one CUDA graph: hundreds of copies with
+        # one launch (measured on an H200: launch gaps, not bandwidth, set the time of a
+        # 1.7B sync), captured over ``streams`` parallel branches.
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_wanted = (
+            use_graph
+            and len(self._cuda_devices) == 1
+            and all(op.src.is_cuda and op.dst.is_cuda for op in ops)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written per run."""
+        return sum(op.dst.numel() * op.dst.element_size() for op in self.ops)
+
+    @classmethod
+    def compile(
+        cls,
+        sources: Mapping[str, Sequence[SourceShard]],
+        layout: TargetLayout,
+        destinations: Mapping[str, torch.Tensor],
+        *,
+        use_graph: bool = True,
+        streams: int = DEFAULT_COPY_STREAMS,
+    ) -> CopyPlan:
+        ops = []
+        for target in layout.values():
+            dst = destinations[target.name]
+            if tuple(dst.shape) != target.shape:
+                raise ValueError(
+                    f"destination {target.name} has shape {tuple(dst.shape)}, the layout "
+                    f"expects {target.shape}"
+                )
+            origin = (0,) * dst.dim()
+            for piece in target.pieces:
+                delta = tuple(
+                    d - s for d, s in zip(piece.dst_offset, piece.src.offset, strict=True)
+                )
+                for source in sources[piece.hf_name]:
+                    block = source.box.intersect(piece.src)
+                    if block is None:
+                        continue
+                    src_view = source.tensor[block.slices(source.box.offset)]
+                    dst_view = dst[block.shifted(delta).slices(origin)]
+                    ops.append(CopyOp(target.name, src_view, dst_view))
+        return cls(ops, use_graph=use_graph, streams=streams)
+
+    @property
+    def uses_graph(self) -> bool:
+        return self._graph is not None
+
+    def _copy_eagerly(self) -> None:
+        with torch.no_grad():
+            for (src_device, _, dst_device, _), (dsts, srcs) in self._groups:
+                if src_device.type == "cpu" and dst_device.type == "cpu":
+                    torch._foreach_copy_(dsts, srcs)
+                else:
+                    # One copy_ per slice: a cudaMemcpy (same dtype) or a vectorised cast
+                    # kernel each, near memory bandwidth; torch._foreach_copy_'s multi-tensor
+                    # kernel measured 1.3x slower on the 8B shape.
+                    for dst, src in zip(dsts, srcs, strict=True):
+                        dst.copy_(src, non_blocking=True)
+
+    def launch(self) -> None:
+        """Enqueue every copy (slice + cast); on CUDA this returns before the copies finish."""
+        if self._graph is not None:
+            with torch.cuda.device(self._cuda_devices[0]):
+                self._graph.replay()
+            return
+        self._copy_eagerly()
+        if self._graph_wanted:  # the first run was eager; capture it for the next ones
+            self._graph_wanted = False
+            self._graph = self._capture()
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        """Record the copies as one graph, forked over ``streams`` branches (events inside the
+        capture order each side stream after the capture stream and join them back)."""
+        lanes = balance_lanes(self.ops, self.streams)
+        with torch.cuda.device(self._cuda_devices[0]):
+            side = [torch.cuda.Stream() for _ in lanes[1:]]
+            # A capture stream of this device: torch's default one is created once per process,
+            # on whatever device was current then (a plan on another GPU would capture nothing).
+            capture = torch.cuda.Stream()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.no_grad(), torch.cuda.graph(graph, stream=capture):
+                    main = torch.cuda.current_stream()
+                    for stream in side:
+                        stream.wait_stream(main)
+                    for lane, stream in zip(lanes, [main, *side], strict=True):
+                        with torch.cuda.stream(stream):
+                            for op in lane:
+                                op.dst.copy_(op.src, non_blocking=True)
+                    for stream in side:
+                        main.wait_stream(stream)
+            except RuntimeError:  # capture unsupported here: stay eager
+                return None
+        return graph
+
+    def wait(self) -> None:
+        """Block until the launched copies are done: an event on each involved device's
+        current stream (not a device-wide synchronize, which would also wait for unrelated
+        work such as inference running on other streams)."""
+        events = []
+        for index in self._cuda_devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(index))
+            events.append(event)
+        for event in events:
+            event.synchronize()
+
+    def run(self) -> None:
+        """Copy every op (slice + cast); on CUDA, returns when the copies are done."""
+        self.launch()
+        self.wait()
+
+
+# -- the receiver ----------------------------------------------------------------------------------
+
 
 Kind = ManifestErrorKind
 
