@@ -1,4 +1,5 @@
-"""Authentication and least privilege on every RPC (the trust model: docs/security.md).
+"""What every RPC passes through: authentication and least privilege (the trust model:
+docs/security.md), and the RPC metrics.
 
 The **run secret** authenticates the run: only the run's own services hold it
 (``PODRL_RUN_SECRET_FILE`` or ``PODRL_RUN_SECRET``, see ``podrl.config.auth``). It never goes
@@ -26,6 +27,10 @@ The controller's REST API takes the same kind of claim for the calls that change
 (:meth:`RunSecret.rest_token`, checked by :meth:`RunSecret.verify_rest_token`), signed the same way
 with a key of its own purpose, so that a REST token is never a gRPC credential nor the other
 way round. Its roles add :data:`OPERATOR`, a person or tool (``podrl scale``) outside the run.
+
+Every server also counts and times each call (:class:`MetricsInterceptor`, installed before the
+auth check so that refused calls are counted too), so the server interceptors of every service,
+the auth check and the metrics, are this one file.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
+from prometheus_client import Counter, Gauge, Histogram
 
 from podrl.config.auth import MIN_SECRET_CHARS, SECRET_FILE_ENV, SECRET_VALUE_ENV, AuthConfig
 from podrl.config.loading import ConfigError
@@ -457,6 +464,69 @@ class AuthServerInterceptor(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             as_caller,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+# ---- server side: the RPC metrics ----------------------------------------------------------
+
+RPC_STARTED = Counter(
+    "podrl_grpc_server_started_total", "RPCs received.", ["grpc_service", "grpc_method"]
+)
+RPC_HANDLED = Counter(
+    "podrl_grpc_server_handled_total",
+    "RPCs completed, by status code.",
+    ["grpc_service", "grpc_method", "grpc_code"],
+)
+RPC_SECONDS = Histogram(
+    "podrl_grpc_server_handling_seconds",
+    "RPC handling time.",
+    ["grpc_service", "grpc_method"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60, 300),
+)
+RPC_IN_FLIGHT = Gauge("podrl_grpc_server_in_flight", "RPCs being handled now.")
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    # "/podrl.v1.Generator/Generate" → ("podrl.v1.Generator", "Generate")
+    _, service, method = full_method.split("/", 2)
+    return service, method
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts and times every unary RPC by service, method and final status code."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        service, method = _split_method(handler_call_details.method)
+        behavior = handler.unary_unary
+
+        def timed(request: Any, context: grpc.ServicerContext) -> Any:
+            RPC_STARTED.labels(service, method).inc()
+            RPC_IN_FLIGHT.inc()
+            start = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                response = behavior(request, context)
+                code = (context.code() or grpc.StatusCode.OK).name
+                return response
+            except Exception:
+                code = (context.code() or grpc.StatusCode.UNKNOWN).name
+                raise
+            finally:
+                RPC_IN_FLIGHT.dec()
+                RPC_SECONDS.labels(service, method).observe(time.perf_counter() - start)
+                RPC_HANDLED.labels(service, method, code).inc()
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )

@@ -27,24 +27,28 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import Gauge, start_http_server
 
 import podrl
 from podrl.common.auth import (
     AuthServerInterceptor,
     CallerCredentials,
+    MetricsInterceptor,
     load_run_secret,
     worker_id_problem,
 )
 from podrl.common.grpc_options import server_options
 from podrl.common.logs import setup_logging
 from podrl.common.membership import MembershipClient
-from podrl.common.metrics import SERVICE_UP, MetricsInterceptor
 from podrl.config import ConfigError, RunConfig, load_config
 from podrl.config.base import ServiceSection
 from podrl.v1 import common_pb2, controller_pb2
 
 log = logging.getLogger(__name__)
+
+SERVICE_UP = Gauge(
+    "podrl_service_serving", "1 while the service reports SERVING.", ["service", "worker_id"]
+)
 
 
 class SideServer(Protocol):
