@@ -1,5 +1,5 @@
 """``WeightApplier`` with vLLM's workers faked (the real ones: test_generator_service.py,
-test_weight_faults.py): the typed call and replies (podrl.generator.worker_messages), the status
+test_weight_faults.py): the typed call and replies (podrl.generator.worker_extension), the status
 table, the one writer of the mirror of the workers' weight state. No engine."""
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ from podrl.config.generator import GeneratorConfig
 from podrl.generator.engine_runtime import EngineLoop
 from podrl.generator.servicer import APPLY_FAILURE_STATUS
 from podrl.generator.weight_applier import UNSUPPORTED, WeightApplier, WeightApplyError
-from podrl.generator.weight_state import WeightPhase, WeightState
-from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
+from podrl.generator.worker_extension import (
+    ApplyRequest,
+    ErrorKind,
+    WeightPhase,
+    WeightState,
+    WorkerReply,
+)
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import ManifestError, ManifestErrorKind
 from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file

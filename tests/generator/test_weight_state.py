@@ -1,11 +1,11 @@
-"""The generator's weight state machine (podrl.generator.weight_state), without vLLM."""
+"""The generator's weight state machine (podrl.generator.worker_extension), without vLLM."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from podrl.generator.weight_state import (
+from podrl.generator.worker_extension import (
     NEEDS_FULL_HINT,
     Admission,
     WeightPhase,

@@ -44,7 +44,7 @@ from podrl.generator.weight_applier import (
     WeightApplier,
     in_flight_apply_kind,
 )
-from podrl.generator.weight_state import WeightState, combine
+from podrl.generator.worker_extension import WeightState, combine
 from podrl.v1 import weights_pb2
 from podrl.weights.protocol import GeneratorKey
 
@@ -181,7 +181,7 @@ class VllmEngine:
 
     @property
     def weight_state(self) -> WeightState:
-        """The workers' weight state as last reported (see ``podrl.generator.weight_state``)."""
+        """The workers' weight state as last reported (see ``podrl.generator.worker_extension``)."""
         return WeightState() if self._applier is None else self._applier.state
 
     @property

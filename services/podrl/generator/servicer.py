@@ -37,8 +37,7 @@ from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestErro
 from podrl.generator.generation import NonFiniteOutputError, SamplingRequest
 from podrl.generator.sleep_mode import SleepUnsupportedError
 from podrl.generator.weight_applier import LockTimeoutError, WeightApplyError
-from podrl.generator.weight_state import WeightsNotServableError
-from podrl.generator.worker_messages import ErrorKind
+from podrl.generator.worker_extension import ErrorKind, WeightsNotServableError
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from podrl.weights.errors import ManifestError
 

@@ -66,14 +66,16 @@ from podrl.config.generator import GeneratorConfig
 from podrl.generator import vllm_compat
 from podrl.generator.engine_runtime import EngineLoop, InlineEngine, deadline_after, seconds_left
 from podrl.generator.errors import InvalidRequestError
-from podrl.generator.weight_state import (
+from podrl.generator.worker_extension import (
     NEEDS_FULL_HINT,
+    ApplyRequest,
+    ErrorKind,
     WeightPhase,
     WeightsNotServableError,
     WeightState,
+    WorkerReply,
     combine,
 )
-from podrl.generator.worker_messages import ApplyRequest, ErrorKind, WorkerReply
 from podrl.v1 import weights_pb2
 from podrl.weights.protocol import GeneratorKey
 
@@ -274,7 +276,7 @@ class WeightApplier:
 
     @property
     def state(self) -> WeightState:
-        """The workers' weight state as last reported (see ``podrl.generator.weight_state``)."""
+        """The workers' weight state as last reported (see ``podrl.generator.worker_extension``)."""
         return self._state
 
     def reading(self, timeout: float | None) -> AbstractContextManager[None]:

@@ -36,7 +36,7 @@ What a failure leaves, side by side:
 * ``Receiver.start`` refuses (:class:`~podrl.weights.errors.ManifestError`): nothing was written;
   the receiver and the destinations are as they were, so the served version stays.
 * ``Receiver.update`` fails part-way: the destinations are partly written (the generator serves
-  no known version until a full manifest: ``podrl.generator.weight_state``'s ``needs_full``);
+  no known version until a full manifest: ``podrl.generator.worker_extension``'s ``needs_full``);
   the plan stays cached, so a later update of the same storage rewrites every destination.
 
 The wire between the two sides is a ``podrl.v1.WeightManifest`` (protobuf, MAC-signed;

@@ -24,7 +24,7 @@ publisher, names, shapes, dtypes, tiling, storage, and for a version-only manife
 a plan for that storage), in time linear in the shards (sorting aside) and with caps on their
 number, and that the weights it is about to copy are all finite; it does not order versions.
 Which version a generator serves, and whether a manifest may replace it, is
-``podrl.generator.weight_state``'s to decide (one place), after the copy *and* vLLM's load.
+``podrl.generator.worker_extension``'s to decide (one place), after the copy *and* vLLM's load.
 
 The receiver's two parts are here too: what it expects (the model's parameters and how each maps
 onto vLLM's layout, :class:`ModelDescription`, :func:`vllm_layout`, :func:`hf_layout`) and the copy
