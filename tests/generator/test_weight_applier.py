@@ -14,7 +14,9 @@ import pytest
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator.engine_runtime import EngineLoop
+from podrl.generator.errors import GeneratorUnavailableError
 from podrl.generator.servicer import APPLY_FAILURE_STATUS
+from podrl.generator.sleep_mode import SleepMode
 from podrl.generator.weight_applier import UNSUPPORTED, WeightApplier, WeightApplyError
 from podrl.generator.worker_extension import (
     ApplyRequest,
@@ -56,7 +58,10 @@ def loop() -> Iterator[EngineLoop]:
     engine_loop.stop()
 
 
-def _apply(tmp_path: Path, loop: EngineLoop, workers: Workers, rollback: bool = False) -> Any:
+def _applier(
+    tmp_path: Path, loop: EngineLoop, workers: Workers
+) -> tuple[WeightApplier, weights_pb2.WeightManifest]:
+    """An applier for ``workers``, and a manifest of version 4 signed with its key."""
     key = write_fresh_key_file(tmp_path / "key")
     applier = WeightApplier(
         GeneratorConfig(weight_copy_streams=2),
@@ -67,10 +72,14 @@ def _apply(tmp_path: Path, loop: EngineLoop, workers: Workers, rollback: bool = 
         parameter_count=4,
         trusted_publisher_id="trainer-1",
         key=GeneratorKey({WEIGHTS_KEY_FILE_ENV: str(tmp_path / "key")}),
-        require_awake=lambda: None,
     )
     manifest = weights_pb2.WeightManifest(version=4, model_fingerprint="storage-a")
     key.sign(manifest)
+    return applier, manifest
+
+
+def _apply(tmp_path: Path, loop: EngineLoop, workers: Workers, rollback: bool = False) -> Any:
+    applier, manifest = _applier(tmp_path, loop, workers)
     return applier.apply(manifest, timeout=30, rollback=rollback)
 
 
@@ -177,7 +186,36 @@ def test_the_mirror_of_the_workers_state_has_one_writer(tmp_path: Path, loop: En
         parameter_count=4,
         trusted_publisher_id="trainer-1",
         key=GeneratorKey({}),
-        require_awake=lambda: None,
     )
     with pytest.raises(AttributeError):
         applier.state = NEEDS_FULL  # type: ignore[misc]
+
+
+class SleepingWorkers(Workers):
+    """Workers of an engine with vLLM's sleep mode (level 1: nothing asked of the workers)."""
+
+    async def sleep(self, level: int = 1) -> None:
+        pass
+
+    async def wake_up(self) -> None:
+        pass
+
+
+def test_a_sleeping_generator_refuses_applies_before_the_workers_see_them(
+    tmp_path: Path, loop: EngineLoop
+) -> None:
+    """The sleep level is kept in the applier, beside the weight lock: every apply and Generate
+    checks it there (``require_awake``), so neither runs the sleep mode's code."""
+    workers = SleepingWorkers(WorkerReply(SERVED.begin(4).commit("storage-a"), mode="in_place"))
+    applier, manifest = _applier(tmp_path, loop, workers)
+    sleep_mode = SleepMode(GeneratorConfig(enable_sleep_mode=True), "cuda", workers, loop, applier)
+    sleep_mode.sleep(1, timeout=30)
+    assert sleep_mode.sleeping
+    with pytest.raises(GeneratorUnavailableError, match="asleep"):
+        applier.apply(manifest, timeout=30)
+    with pytest.raises(GeneratorUnavailableError, match="asleep"):
+        applier.require_awake()  # what Generation.generate checks under the read lock
+    assert workers.requests == []
+    sleep_mode.wake_up(timeout=30)
+    assert applier.apply(manifest, timeout=30).policy_version == 4
+    assert len(workers.requests) == 1

@@ -114,12 +114,9 @@ class VllmEngine:
             parameter_count=parameter_count,
             trusted_publisher_id=self._trusted_publisher_id,
             key=self._key,
-            require_awake=self._require_awake,
         )
         described = replies[0]
-        self._generation = Generation(
-            self._config, self._engine, self._loop, self._applier, self._require_awake
-        )
+        self._generation = Generation(self._config, self._engine, self._loop, self._applier)
         self._sleep_mode = SleepMode(
             self._config, current_platform.device_type, self._engine, self._loop, self._applier
         )
@@ -256,7 +253,3 @@ class VllmEngine:
         if self._sleep_mode is None:
             raise GeneratorUnavailableError("the vLLM engine has not started")
         return self._sleep_mode
-
-    def _require_awake(self) -> None:
-        if self._sleep_mode is not None:
-            self._sleep_mode.require_awake()

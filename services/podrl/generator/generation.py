@@ -84,12 +84,10 @@ class Generation:
         engine: Any,
         loop: EngineLoop,
         applier: WeightApplier,
-        require_awake: Callable[[], None],
     ) -> None:
         self._engine = engine
         self._loop = loop
         self._applier = applier
-        self._require_awake = require_awake
         self._admission = threading.BoundedSemaphore(config.max_concurrent_requests)
         self._request_ids = itertools.count()
         tokenizer = engine.get_tokenizer()
@@ -133,7 +131,7 @@ class Generation:
             raise LockTimeoutError("too many concurrent Generate calls; deadline passed waiting")
         try:
             with self._applier.reading(seconds_left(deadline)):
-                self._require_awake()
+                self._applier.require_awake()
                 future = self._loop.submit(self._generate_all(prompts, params, request_id))
                 if on_cancel is not None:
                     on_cancel(future.cancel)

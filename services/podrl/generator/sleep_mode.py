@@ -4,7 +4,8 @@ Level 1 offloads the weights and drops the KV cache, level 2 drops both. Only on
 with ``generator.enable_sleep_mode``; elsewhere both answer :class:`SleepUnsupportedError`. A
 sleep or wake-up is a change of the weights: it runs alone (``WeightApplier.exclusive``: no
 apply and no Generate meanwhile). While asleep Generate and ApplyWeights are refused
-(:meth:`SleepMode.require_awake`); waking from a level-2 sleep leaves the weight state
+(``WeightApplier.require_awake``: the level is kept in the applier, beside the weight lock, so
+that check runs no code of this module's); waking from a level-2 sleep leaves the weight state
 needs_full (the workers close their handles), so only a full manifest brings the weights back.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from podrl.config.generator import GeneratorConfig
 from podrl.generator.engine_runtime import EngineLoop, deadline_after, seconds_left
-from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
+from podrl.generator.errors import InvalidRequestError
 from podrl.generator.weight_applier import WeightApplier
 
 
@@ -38,17 +39,10 @@ class SleepMode:
         self._engine = engine
         self._loop = loop
         self._applier = applier
-        self._level = 0  # 0 awake, else the sleep level
 
     @property
     def sleeping(self) -> bool:
-        return bool(self._level)
-
-    def require_awake(self) -> None:
-        """Raise ``GeneratorUnavailableError`` while asleep (the caller holds a side of the
-        weight lock, so the level cannot change meanwhile)."""
-        if self._level:
-            raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
+        return bool(self._applier.sleep_level)
 
     def sleep(self, level: int, timeout: float | None) -> None:
         self._require_sleep_mode()
@@ -56,24 +50,24 @@ class SleepMode:
             raise InvalidRequestError("level must be 1 (offload weights) or 2 (drop weights)")
         deadline = deadline_after(timeout)
         with self._applier.exclusive(deadline):
-            if self._level:
+            if self._applier.sleep_level:
                 return
             self._applier.settle(deadline)
             self._loop.run(self._engine.sleep(level), seconds_left(deadline))
-            self._level = level
+            self._applier.sleep_level = level
 
     def wake_up(self, timeout: float | None) -> None:
         self._require_sleep_mode()
         deadline = deadline_after(timeout)
         with self._applier.exclusive(deadline):
-            if not self._level:
+            if not self._applier.sleep_level:
                 return
             self._loop.run(self._engine.wake_up(), timeout)
-            if self._level == 2:
+            if self._applier.sleep_level == 2:
                 # Level 2 dropped the weights: only a full manifest can bring them back (of the
                 # version served before, or newer).
                 self._applier.weights_dropped("a level-2 sleep dropped the weights", timeout)
-            self._level = 0
+            self._applier.sleep_level = 0
 
     def _require_sleep_mode(self) -> None:
         if not self._enabled:

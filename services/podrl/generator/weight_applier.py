@@ -14,7 +14,8 @@ apply needs around the workers' call:
   reset (its KV blocks came from the old weights);
 * one change of the weights at a time (an apply, a sleep, a wake-up: :meth:`exclusive`), and
   whether the weights are asleep (:meth:`WeightApplier.require_awake`, checked by every Generate
-  and apply; ``podrl.generator.sleep_mode`` sets the level);
+  and apply; ``podrl.generator.sleep_mode`` sets the level, so no Generate or apply runs the
+  sleep mode's code);
 * in-flight applies (``ApplyWeightsRequest.in_flight``, below);
 * deadlines: an apply that passes its caller's deadline keeps the write lock while the workers
   may still be writing, for at most ``weight_apply_overrun_seconds`` more; after that the mirror
@@ -57,7 +58,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +66,7 @@ from typing import Any
 from podrl.config.generator import GeneratorConfig
 from podrl.generator import vllm_compat
 from podrl.generator.engine_runtime import EngineLoop, InlineEngine, deadline_after, seconds_left
-from podrl.generator.errors import InvalidRequestError
+from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.worker_extension import (
     NEEDS_FULL_HINT,
     ApplyRequest,
@@ -250,7 +251,6 @@ class WeightApplier:
         parameter_count: int,
         trusted_publisher_id: str,
         key: GeneratorKey,
-        require_awake: Callable[[], None],
     ) -> None:
         self._config = config
         self._engine = engine
@@ -263,7 +263,10 @@ class WeightApplier:
         self._parameter_count = parameter_count
         self._trusted_publisher_id = trusted_publisher_id
         self._key = key
-        self._require_awake = require_awake
+        self.sleep_level = 0
+        """0 awake, else the level of vLLM's sleep; written by ``SleepMode`` holding
+        :meth:`exclusive`. Here, beside the lock every Generate and apply holds, so their check
+        (:meth:`require_awake`) runs no code of the sleep mode's."""
         self._lock = ReadWriteLock()
         self._one_change = threading.Lock()
         """Held by every apply, sleep and wake-up: an in-flight apply takes no write lock, and
@@ -283,6 +286,12 @@ class WeightApplier:
         """The read side of the lock, for one Generate call (``LockTimeoutError`` after
         ``timeout``)."""
         return self._lock.read(timeout)
+
+    def require_awake(self) -> None:
+        """Raise ``GeneratorUnavailableError`` while asleep (the caller holds a side of the
+        weight lock or the change lock, so the level cannot change meanwhile)."""
+        if self.sleep_level:
+            raise GeneratorUnavailableError("the generator is asleep; call WakeUp first")
 
     @contextmanager
     def exclusive(self, deadline: float | None) -> Iterator[None]:
@@ -352,7 +361,7 @@ class WeightApplier:
         self, request: ApplyRequest, version: int, deadline: float | None
     ) -> ApplyResult:
         """The apply, holding the write lock (no Generate runs)."""
-        self._require_awake()
+        self.require_awake()
         self.settle(deadline)
         before = self._state
         self._state = before.begin(version)
@@ -381,7 +390,7 @@ class WeightApplier:
     ) -> ApplyResult:
         """The apply while Generate calls may run: the mirror changes on the loop thread, in
         :meth:`_land_between_steps` or :meth:`_land_paused`, between two engine steps."""
-        self._require_awake()
+        self.require_awake()
         self.settle(deadline)
         if self.in_flight_apply == BETWEEN_STEPS:
             future = self._engine.call_between_steps(
