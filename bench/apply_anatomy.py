@@ -5,7 +5,7 @@ the path timed by wrapping the function that does it (wall time per call, added 
 call), on both sides of the ``collective_rpc`` hop:
 
 * in the generator service's process (``engine.*``): the manifest's MAC check, the workers'
-  ``collective_rpc`` round trip, the prefix-cache reset, and ``VllmEngine.apply_manifest``
+  ``collective_rpc`` round trip, the prefix-cache reset, and ``WeightApplier.apply``
   as a whole;
 * in vLLM's worker (``worker.*``): the receiver's validation, its finiteness check, the copy
   plan's launch and wait, the device synchronize, the whole ``podrl_apply_manifest``; the last
@@ -111,8 +111,9 @@ def profile_table(call: Any, rows: int = 25) -> tuple[Any, str]:
 
 
 def wrap_engine_side(times: CallTimes, engine: Any) -> None:
-    """The engine's parts around the workers' apply (``engine`` is a ``VllmEngine``)."""
-    times.wrap(engine, "apply_manifest", "engine.apply_manifest")
+    """The engine's parts around the workers' apply (``engine`` is a started ``VllmEngine``;
+    the labels keep the names of the recorded results)."""
+    times.wrap(engine.parts.applier, "apply", "engine.apply_manifest")
     times.wrap(engine._key, "verify", "engine.verify_mac")
     times.wrap(engine._engine, "collective_rpc", "engine.collective_rpc")
     times.wrap(engine._engine, "reset_prefix_cache", "engine.reset_prefix_cache")

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from bench import results_table  # noqa: E402
 from podrl.config.generator import GeneratorConfig  # noqa: E402
-from podrl.generator.engine import VllmEngine  # noqa: E402
+from podrl.generator.engine_build import EngineParts, VllmEngine  # noqa: E402
 from podrl.generator.generation import SamplingRequest  # noqa: E402
 from podrl.models.tiny import make_tiny_model  # noqa: E402
 from podrl.weights.protocol import (  # noqa: E402
@@ -76,16 +76,22 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
+def _parts(engine: VllmEngine) -> EngineParts:
+    assert engine.parts is not None, "start the engine first"
+    return engine.parts
+
+
 def _generate(engine: VllmEngine, stop: list[str], calls: int) -> tuple[float, float]:
-    prompts = [engine.tokenize(p) for p in PROMPTS]
+    generation = _parts(engine).generation
+    prompts = [generation.tokenize(p) for p in PROMPTS]
     sampling = SamplingRequest(n=8, temperature=0.3, top_p=1.0, max_tokens=6, stop=stop)
     for _ in range(3):
-        engine.generate(prompts, sampling, "warm", 120)
+        generation.generate(prompts, sampling, "warm", 120)
     walls, cpus = [], []
     for _ in range(calls):
         time.sleep(0.1)
         cpu, wall = _tree_cpu_seconds(), time.perf_counter()
-        engine.generate(prompts, sampling, "bench", 120)
+        generation.generate(prompts, sampling, "bench", 120)
         walls.append(time.perf_counter() - wall)
         cpus.append(_tree_cpu_seconds() - cpu)
     return statistics.median(walls), statistics.median(cpus)
@@ -108,7 +114,7 @@ def _apply_ms(
             part = publisher.start(version, ack_timeout=5)
             manifest = assembler.assemble(version, [part], force_full=version % 2 == 1)
             started = time.perf_counter()
-            engine.apply_manifest(manifest, timeout=60)
+            _parts(engine).applier.apply(manifest, timeout=60)
             seconds = time.perf_counter() - started
             publisher.finish(version)
             if version > 2:  # the first of each kind compiles the copy plan

@@ -381,7 +381,7 @@ def generator_service(opts: Options, model: Path, run_dir: Path) -> Iterator[Any
     import podrl.generator.engine_build as engine_module
     from podrl.common.service import ServiceProcess
     from podrl.config import load_config
-    from podrl.generator.engine import VllmEngine
+    from podrl.generator.engine_build import VllmEngine
     from podrl.generator.main import build_spec
     from podrl.v1 import generator_pb2_grpc
 
@@ -694,7 +694,8 @@ def check_sleep(pod: Pod) -> None:
 
 
 def measure_throughput(pod: Pod) -> None:
-    """Generate through gRPC vs the same VllmEngine called in-process (same prompts, params)."""
+    """Generate through gRPC vs the same engine's ``Generation`` called in-process (same prompts,
+    params)."""
     from podrl.generator.generation import SamplingRequest
 
     opts = pod.opts
@@ -704,7 +705,9 @@ def measure_throughput(pod: Pod) -> None:
     tokens: dict[str, list[int]] = {"in_process": [], "grpc": []}
 
     def in_process() -> int:
-        result = pod.engine.generate(prompts, sampling, "bench-inproc", timeout=600)
+        result = pod.engine.parts.generation.generate(
+            prompts, sampling, "bench-inproc", timeout=600
+        )
         return sum(len(c.token_ids) for p in result.prompts for c in p.completions)
 
     def through_grpc() -> int:

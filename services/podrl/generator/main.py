@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from podrl.common.service import ServiceSpec, serve, worker_spec
 from podrl.config import RunConfig
 from podrl.generator import engine_processes
-from podrl.generator.engine import VllmEngine
+from podrl.generator.engine_build import VllmEngine
 from podrl.generator.servicer import GeneratorServicer
 from podrl.models.folders import ensure_model_folder, may_write_tiny_model
 from podrl.v1 import generator_pb2_grpc

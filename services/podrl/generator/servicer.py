@@ -1,4 +1,6 @@
-"""gRPC Generator service: protobuf in and out, status codes; the work is ``VllmEngine``'s.
+"""gRPC Generator service: protobuf in and out, status codes; the work is done by the engine's
+parts (``engine_build.EngineParts``: ``Generation``, ``WeightApplier``, ``SleepMode``), which
+the RPCs call directly.
 
 Status codes:
 - Generate: INVALID_ARGUMENT for bad sampling values (temperature NaN or infinite, n > 1 with
@@ -17,7 +19,7 @@ Status codes:
   A write that failed part-way answers FAILED_PRECONDITION "needs a full manifest" (the state
   is needs_full; the controller then sends the full manifest), one that failed before vLLM's
   parameters were touched ABORTED (the previous version keeps serving; retry).
-  DEADLINE_EXCEEDED when the apply passed its deadline (see ``VllmEngine``). INVALID_ARGUMENT
+  DEADLINE_EXCEEDED when the apply passed its deadline (see ``WeightApplier``). INVALID_ARGUMENT
   for ``in_flight`` with ``rollback``.
 - Sleep/WakeUp: FAILED_PRECONDITION where vLLM has no sleep mode (CPU) or it is switched off.
 """
@@ -26,18 +28,17 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 
 import grpc
 
 import podrl
 from podrl.config import RunConfig
-from podrl.generator.engine import VllmEngine
+from podrl.generator.engine_build import EngineParts, VllmEngine
 from podrl.generator.errors import GeneratorUnavailableError, InvalidRequestError
 from podrl.generator.generation import NonFiniteOutputError, SamplingRequest
 from podrl.generator.sleep_mode import SleepUnsupportedError
-from podrl.generator.weight_applier import LockTimeoutError, WeightApplyError
-from podrl.generator.worker_extension import ErrorKind, WeightsNotServableError
+from podrl.generator.weight_applier import UNSUPPORTED, LockTimeoutError, WeightApplyError
+from podrl.generator.worker_extension import ErrorKind, WeightsNotServableError, WeightState
 from podrl.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from podrl.weights.errors import ManifestError
 
@@ -114,19 +115,25 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def __init__(self, config: RunConfig, engine: VllmEngine) -> None:
         self._config = config
         self._engine = engine
-        self._ready = threading.Event()
+        self._parts: EngineParts | None = None
+        """The engine's parts, once it has started (:meth:`mark_ready`); the RPCs call them."""
 
     def mark_ready(self) -> None:
-        self._ready.set()
+        """The engine has started: from now on the RPCs call its parts."""
+        if self._engine.parts is None:
+            raise RuntimeError("mark_ready before the engine started")
+        self._parts = self._engine.parts
 
-    def _require_ready(self, context: grpc.ServicerContext) -> None:
-        if not self._ready.is_set():
+    def _started(self, context: grpc.ServicerContext) -> EngineParts:
+        parts = self._parts
+        if parts is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the vLLM engine is still loading")
+        return parts
 
     def Generate(
         self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GenerateResponse:
-        self._require_ready(context)
+        generation = self._started(context).generation
         if not request.prompts:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompts: at least one prompt")
         try:
@@ -139,7 +146,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 )
             token_ids = []
             seeds: list[int | None] = []
-            longest = self._engine.max_prompt_chars
+            longest = generation.max_prompt_chars
             for i, prompt in enumerate(request.prompts):
                 if prompt.HasField("seed"):
                     check_seed(f"prompts[{i}].seed", prompt.seed, sampling.n)
@@ -151,11 +158,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                         f"generator.max_model_len ({self._config.generator.max_model_len}) "
                         f"tokens (at most {longest} characters can); shorten the prompt"
                     )
-                ids = list(prompt.token_ids) or self._engine.tokenize(prompt.text)
+                ids = list(prompt.token_ids) or generation.tokenize(prompt.text)
                 if not ids:
                     raise InvalidRequestError(f"prompts[{i}]: neither token_ids nor text given")
                 token_ids.append(ids)
-            result = self._engine.generate(
+            result = generation.generate(
                 token_ids,
                 sampling,
                 request.request_id,
@@ -196,11 +203,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def ApplyWeights(
         self, request: generator_pb2.ApplyWeightsRequest, context: grpc.ServicerContext
     ) -> generator_pb2.ApplyWeightsResponse:
-        self._require_ready(context)
+        applier = self._started(context).applier
         if not request.HasField("manifest"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "manifest: required")
         try:
-            result = self._engine.apply_manifest(
+            result = applier.apply(
                 request.manifest,
                 context.time_remaining(),
                 rollback=request.rollback,
@@ -236,9 +243,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def Sleep(
         self, request: generator_pb2.SleepRequest, context: grpc.ServicerContext
     ) -> generator_pb2.SleepResponse:
-        self._require_ready(context)
+        sleep_mode = self._started(context).sleep_mode
         try:
-            self._engine.sleep(request.level or 1, context.time_remaining())
+            sleep_mode.sleep(request.level or 1, context.time_remaining())
         except SleepUnsupportedError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except InvalidRequestError as err:
@@ -248,9 +255,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def WakeUp(
         self, request: generator_pb2.WakeUpRequest, context: grpc.ServicerContext
     ) -> generator_pb2.WakeUpResponse:
-        self._require_ready(context)
+        sleep_mode = self._started(context).sleep_mode
         try:
-            self._engine.wake_up(context.time_remaining())
+            sleep_mode.wake_up(context.time_remaining())
         except SleepUnsupportedError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return generator_pb2.WakeUpResponse()
@@ -259,8 +266,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:
         facts = self._engine.facts
-        weights = self._engine.weight_state
-        details = {"state": "serving" if self._ready.is_set() else "loading"}
+        parts = self._parts
+        weights = WeightState() if parts is None else parts.applier.state
+        details = {"state": "loading" if parts is None else "serving"}
         if weights.reason:
             details["weight_state_reason"] = weights.reason
         if facts is not None:
@@ -279,11 +287,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 details=details,
             ),
             model=facts.model if facts else "",
-            policy_version=self._engine.policy_version,
+            policy_version=weights.version,
             tensor_parallel_size=gen.tensor_parallel_size,
             device=facts.device if facts else self._config.device,
             dtype=gen.dtype,
-            sleeping=self._engine.sleeping,
+            sleeping=parts is not None and parts.sleep_mode.sleeping,
             weight_state=weights.phase.value,
-            in_flight_apply=self._engine.in_flight_apply,
+            in_flight_apply=UNSUPPORTED if parts is None else parts.applier.in_flight_apply,
         )
