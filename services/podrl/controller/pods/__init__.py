@@ -1,2 +1,2 @@
-"""The worker pods: who registered, which pods a step uses, the Kubernetes view, scaling and
-the clients of a pod's services."""
+"""The worker pods: the pod table (who registered, which pods a step uses, the epoch), the
+Kubernetes view and scaling."""

@@ -1,2 +1,2 @@
-"""One training step: the loop, its phases (generate, score, batch, train, weight sync), its
-boundary."""
+"""One training step: the loop and its drivers, the batch, and the calls to the pods'
+services."""
