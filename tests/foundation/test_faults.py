@@ -1,6 +1,10 @@
 """The fault-injection points chaos tests use (podrl.common.faults)."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +62,27 @@ def test_a_rule_with_a_while_file_triggers_only_while_the_file_exists(tmp_path):
 def test_malformed_plan_names_the_rule(plan, message):
     with pytest.raises(ValueError, match=message):
         faults.parse(plan)
+
+
+def test_fault_points_are_armed_only_in_a_process_with_a_plan(monkeypatch):
+    """A fault point is ``if faults.ARMED: faults.hit(...)``: without a plan it runs nothing of
+    the module, and the flag follows the plan, read at import and by reset()."""
+    code = "from podrl.common import faults; print(faults.ARMED)"
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV_VAR}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "services")
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=extra, capture_output=True, text=True)
+        for extra in (env, {**env, faults.ENV_VAR: '[{"point": "p"}]'})
+    ]
+    assert [run.stdout.strip() for run in runs] == ["False", "True"], [r.stderr for r in runs]
+
+    monkeypatch.delenv(faults.ENV_VAR, raising=False)
+    faults.reset()
+    assert not faults.ARMED
+    faults.reset('[{"point": "p"}]')
+    assert faults.ARMED
+    faults.reset("[]")
+    assert not faults.ARMED
+    monkeypatch.setenv(faults.ENV_VAR, '[{"point": "p"}]')
+    faults.reset()
+    assert faults.ARMED

@@ -15,8 +15,11 @@ and what happens there:
 - any other key (``rank``, ``version``, ...) must equal the keyword of the same name that the
   code passes to :func:`hit`, so one rule can target one rank or one version.
 
-With ``PODRL_FAULTS`` unset, :func:`hit` is a dictionary lookup that returns at once. Faults
-exist only for tests; no config file or chart value can set them.
+A fault point is written ``if faults.ARMED: faults.hit("point", ...)``. :data:`ARMED` is False in
+every process without a plan (``PODRL_FAULTS`` unset: every run but the chaos tests), so a point
+there reads one module attribute and runs no code of this module: the path of a step or a weight
+sync does not pass through it. Faults exist only for tests; no config file or chart value can
+set them.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def parse(text: str) -> list[_Rule]:
 _lock = threading.Lock()
 _rules: list[_Rule] | None = None
 
+ARMED: bool = bool(os.environ.get(ENV_VAR))
+"""Whether this process has a fault plan; fault points call :func:`hit` only then."""
+
 
 def _plan() -> list[_Rule]:
     global _rules
@@ -100,9 +106,10 @@ def _plan() -> list[_Rule]:
 
 def reset(text: str | None = None) -> None:
     """Replace the process's fault plan (tests); ``None`` re-reads the environment."""
-    global _rules
+    global _rules, ARMED
     with _lock:
         _rules = parse(text) if text else None
+        ARMED = bool(_rules) if text else bool(os.environ.get(ENV_VAR))
 
 
 def hit(point: str, **context: Any) -> None:

@@ -477,9 +477,10 @@ def _with_faults(
     tensors: list[tuple[str, torch.Tensor]], version: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors vLLM's loader consumes, with the fault points inside the load."""
-    faults.hit("generator.reload", version=version)
+    if faults.ARMED:
+        faults.hit("generator.reload", version=version)
     for index, item in enumerate(tensors):
-        if index == len(tensors) // 2:
+        if faults.ARMED and index == len(tensors) // 2:
             faults.hit("generator.mid_copy", version=version)
         yield item
 
@@ -554,7 +555,8 @@ class PodrlWorkerExtension:
             # A refusal from the receiver (its start) comes before it writes anything: the
             # block then leaves the state as it was.
             with weights.applying(manifest.version, manifest.model_fingerprint) as guard:
-                faults.hit("generator.apply_weights", version=manifest.version)
+                if faults.ARMED:
+                    faults.hit("generator.apply_weights", version=manifest.version)
                 if resolved == "in_place":
                     params = dict(self.model_runner.get_model().named_parameters())
                     receiver.start(manifest, destinations=params)
@@ -562,7 +564,8 @@ class PodrlWorkerExtension:
                     # Returns when the copies are done (the copy plan waits for its streams).
                     receiver.update()
                     copied = receiver.finish()
-                    faults.hit("generator.mid_copy", version=manifest.version)
+                    if faults.ARMED:
+                        faults.hit("generator.mid_copy", version=manifest.version)
                 elif resolved == "repack":
                     model = self.model_runner.get_model()
                     targets = self._podrl_repack_targets(model)
@@ -570,11 +573,13 @@ class PodrlWorkerExtension:
                     guard.touching_served_weights()
                     receiver.update()
                     copied = receiver.finish()
-                    faults.hit("generator.mid_copy", version=manifest.version)
+                    if faults.ARMED:
+                        faults.hit("generator.mid_copy", version=manifest.version)
                     _repack(model, targets)
                 else:
                     copied = receiver.apply(manifest)
-                    faults.hit("generator.after_copy", version=manifest.version)
+                    if faults.ARMED:
+                        faults.hit("generator.after_copy", version=manifest.version)
                     guard.touching_served_weights()
                     self._podrl_reload(_with_faults(copied.tensors, manifest.version))
         except ManifestError as err:

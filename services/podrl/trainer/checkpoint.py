@@ -195,7 +195,8 @@ def save(
         )
     else:
         try:
-            faults.hit("trainer.checkpoint_before_write", rank=rank, version=version)
+            if faults.ARMED:
+                faults.hit("trainer.checkpoint_before_write", rank=rank, version=version)
         except Exception as err:
             error = err
     # DCP's collectives need every rank: a rank that cannot write says so first.
@@ -207,7 +208,8 @@ def save(
     if _all_ranks_ok(error is None) and rank == 0:
         train_state = state["train_state"]
         try:
-            faults.hit("trainer.checkpoint_before_state", rank=rank, version=version)
+            if faults.ARMED:
+                faults.hit("trainer.checkpoint_before_state", rank=rank, version=version)
             saved = {
                 "format": FORMAT,
                 "world_size": world_size,

@@ -612,7 +612,8 @@ class TrainerEngine:
                 # For the update size; taken before the vote, so a rank short of memory for
                 # the copy aborts the step on every rank instead of stepping alone.
                 before = snapshot_parameters(self.model.parameters())
-                faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
+                if faults.ARMED:
+                    faults.hit("trainer.before_optimizer_step", rank=self.env.rank, version=version)
             except Exception as err:
                 failure = err
             self._agree(failure, version, "reducing metrics and gradients")
@@ -638,7 +639,8 @@ class TrainerEngine:
             # First: a collective every rank reaches (a fault below hits one rank only).
             response.metrics.update_ratio = update_ratio(self.model.parameters(), before)
             del before
-            faults.hit("trainer.after_optimizer_step", rank=self.env.rank, version=new_version)
+            if faults.ARMED:
+                faults.hit("trainer.after_optimizer_step", rank=self.env.rank, version=new_version)
             self.optimizer.zero_grad(set_to_none=True)
         except Exception:
             # The weights are those of the new version on every rank: report the step as

@@ -477,7 +477,8 @@ class CrossPodReplica:
         """Every rank, after the pod's own reductions: the vote and the metric sums, the
         metric maxima ``peaks`` (MAX), then the SUM of every gradient over the pods. Raises
         ReplicaStepError if a pod failed or a cross-pod operation broke."""
-        faults.hit("trainer.before_cross_pod_allreduce", rank=self._env.rank, version=version)
+        if faults.ARMED:
+            faults.hit("trainer.before_cross_pod_allreduce", rank=self._env.rank, version=version)
         self._voted = True
         vote = torch.cat([sums.new_zeros(1), sums])
         error = self._allreduce([vote], dist.ReduceOp.SUM)

@@ -229,7 +229,8 @@ class StepParts:
             timings,
             lambda: self.train_phase.train_pods(trainers, expected, requests_for),
         )
-        faults.hit("controller.after_train", step=step)
+        if faults.ARMED:
+            faults.hit("controller.after_train", step=step)
         version = outcome.reply.policy_version
         # Joining pods' generators get a full manifest (their first sync); their trainers
         # hold the run's version now, so they stop joining.
