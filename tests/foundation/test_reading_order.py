@@ -24,6 +24,9 @@ _NUMBERS = [
     "ten",
     "eleven",
     "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
 ]
 
 

@@ -13,8 +13,9 @@ a dataclass counts its module (docs/architecture.md's rule). What is never seen:
 without running any code of its own (an Enum member, a pydantic model without validators, a
 class without ``__init__``), and code the interpreter runs without a Python frame.
 
-``WALK_RECORDER_MARKERS`` (``file:function,...``) names functions whose every call and return is
-stored with its time and thread: walk.py cuts the step and the sync out of the run with them.
+``WALK_RECORDER_MARKERS`` (``Class.method,...``: qualified names, wherever their file is) names
+podrl functions whose every call and return is stored with its time and thread: walk.py cuts
+the step and the sync out of the run with them.
 Each process writes ``<WALK_RECORDER_DIR>/<pid>.json`` twice a second and at exit (a process
 killed without exit keeps its last write); a forked child starts afresh under its own pid.
 
@@ -41,7 +42,7 @@ _MISS = object()
 
 _root = ""
 _dir = ""
-_markers: set[tuple[str, str]] = set()
+_markers: set[str] = set()
 _where: dict[CodeType, Any] = {}
 """code → its file (relative to the root), or None when it is not counted."""
 _marker_of: dict[CodeType, str] = {}
@@ -96,8 +97,8 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
         relative = _where.get(code, _MISS)
         if relative is _MISS:
             relative = _where[code] = _resolve(code, frame)
-            if relative is not None and (relative, code.co_name) in _markers:
-                _marker_of[code] = f"{relative}:{code.co_name}"
+            if relative is not None and code.co_qualname in _markers:
+                _marker_of[code] = code.co_qualname
         if relative is None:
             return
         now = _now()
@@ -150,7 +151,7 @@ def install(root: str, folder: str, markers: str) -> None:
     global _root, _dir
     _root = os.path.join(os.path.realpath(root), "")
     _dir = folder
-    _markers.update(tuple(m.rsplit(":", 1)) for m in markers.split(",") if m)  # type: ignore[misc]
+    _markers.update(m for m in markers.split(",") if m)
     os.makedirs(folder, exist_ok=True)
     atexit.register(dump)
     os.register_at_fork(after_in_child=_after_fork)

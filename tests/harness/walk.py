@@ -64,9 +64,9 @@ from podrl.models.tiny import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(podrl.__file__).resolve().parent
 RECORDER = Path(__file__).with_name("call_recorder.py")
-STEP_START = "controller/step/loop.py:run_step_with_retries"
-STEP_END = "controller/step/loop.py:evaluate_after"
-SYNC = "controller/step/parts.py:sync_weights"
+STEP_START = "GrpoLoop.run_step_with_retries"
+STEP_END = "GrpoLoop.evaluate_after"
+SYNC = "StepParts.sync_weights"
 LOOP_THREAD = "grpo-loop"
 #: Threads (by name prefix) and processes that serve no path (the module docstring says why).
 BACKGROUND = ("membership", "rest", "AnyIO worker thread", "controller-rpc", "walk-recorder")
@@ -262,6 +262,92 @@ def packages(files: Iterable[str]) -> list[str]:
     return sorted({f.split("/")[0] for f in files})
 
 
+def _render_lists(block: str, files: set[str]) -> str:
+    """``block``'s ``- **package (n)**: ...`` items holding ``files``: packages and files in the
+    order the docs give them, new ones after; an item whose files did not change is kept as the
+    docs wrote it (no churn under the others' edits), another one wrapped at 100 columns."""
+    items = re.findall(r"^(- \*\*(\w+) \(\d+\)\*\*: .+?)(?=^- |\Z)", block, re.M | re.S)
+    order = [f for item, _ in items for f in _FILE.findall(item)]
+    ranked = sorted(files, key=lambda f: (order.index(f) if f in order else len(order), f))
+    known = [package for _, package in items]
+    lines = []
+    for package in sorted(
+        packages(files), key=lambda p: (p not in known, p in known and known.index(p), p)
+    ):
+        names = [f for f in ranked if f.split("/")[0] == package]
+        kept = [item for item, name in items if name == package and _FILE.findall(item) == names]
+        if kept:
+            lines.append(kept[0].rstrip("\n"))
+            continue
+        line = f"- **{package} ({len(names)})**:"
+        for i, name in enumerate(names):
+            word = f" `{name}`" + ("," if i < len(names) - 1 else "")
+            if len(line) + len(word) > 100:
+                lines.append(line)
+                line = " "
+            line += word
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(paths: dict[str, dict[str, set[str]]]) -> list[str]:
+    """Write the recorded paths into docs/architecture.md's Reading order: the table's
+    numbers, the lists and their counts, the like-for-like figures. Returns what is left to
+    do by hand (the prose on the files a full manifest adds, when they changed)."""
+    doc = ROOT / "docs" / "architecture.md"
+    text = doc.read_text()
+    section = _reading_order()
+    new = section
+    step, sync = set(paths["step_version_only"]), set(paths["sync_version_only"])
+    added = set(paths["step_full_manifest"]) - step
+    todo = []
+    for summary, files, adds in (
+        ("One synchronous step", step, "A full-manifest sync adds"),
+        ("One weight sync", sync, "A full manifest adds"),
+    ):
+        start = new.index(f"<details><summary>{summary}")
+        end = new.index("</details>", start)
+        block = new[start:end]
+        first = block.index("\n- **") + 1
+        last = block.index("\n\n", first) + 1
+        block = block[:first] + _render_lists(block[first:last], files) + block[last:]
+        block = re.sub(r"(<summary>[^<]*?the )\d+( files)", rf"\g<1>{len(files)}\2", block)
+        full = len(files | added)
+        block = re.sub(rf"({adds} [^(]*?)\((\d+)\)", rf"\g<1>({full})", block, count=1)
+        block = re.sub(rf"({adds}) \d+", rf"\1 {len(added)}", block, count=1)
+        named = set(_FILE.findall(block.partition(adds)[2]))
+        if summary == "One synchronous step" and named != added:
+            todo.append(
+                f"the files a full manifest adds are {sorted(added)}; the docs name {sorted(named)}"
+            )
+        new = new[:start] + block + new[end:]
+    for key, row in PATHS.items():
+        ran = paths[key]
+        new = re.sub(
+            rf"^(\| {re.escape(row)} \|) \d+ \| \d+ \|",
+            rf"\1 {len(ran)} | {len(packages(ran))} |",
+            new,
+            flags=re.M,
+        )
+    paragraph = new[new.index("The review's walk left out") :].split("\n\n")[0]
+    left_out = set(_FILE.findall(paragraph))
+    like_step = set(paths["step_full_manifest"]) - left_out
+    like_sync = set(paths["sync_full_manifest"]) - left_out
+    rewritten = re.sub(
+        r"the step is\s+\d+\s+files\s+in\s+\d+",
+        f"the step is {len(like_step)} files in {len(packages(like_step))}",
+        paragraph,
+    )
+    rewritten = re.sub(
+        r"the full sync\s+\d+\s+files\s+in\s+\d+",
+        f"the full sync {len(like_sync)} files in {len(packages(like_sync))}",
+        rewritten,
+    )
+    new = new.replace(paragraph, rewritten)
+    doc.write_text(text.replace(section, new))
+    return todo
+
+
 def report(paths: dict[str, dict[str, set[str]]]) -> str:
     lines = []
     docs = documented()
@@ -284,15 +370,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the paths' files and threads here")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it (logs)")
+    parser.add_argument(
+        "--records", type=Path, help="no run: read the records of a run kept with --keep"
+    )
+    parser.add_argument(
+        "--write-docs", action="store_true", help="write the paths into docs/architecture.md"
+    )
     args = parser.parse_args(argv)
-    folder = args.keep or Path(tempfile.mkdtemp(prefix="podrl-walk-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        paths = walk(record_run(folder))
-    finally:
-        if args.keep is None:
-            shutil.rmtree(folder, ignore_errors=True)
+    if args.records:
+        records = sorted((args.records / "records").glob("*.json"))
+        paths = walk([json.loads(path.read_text()) for path in records])
+    else:
+        folder = args.keep or Path(tempfile.mkdtemp(prefix="podrl-walk-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            paths = walk(record_run(folder))
+        finally:
+            if args.keep is None:
+                shutil.rmtree(folder, ignore_errors=True)
     print(report(paths))
+    if args.write_docs:
+        for line in write_docs(paths):
+            print(f"docs/architecture.md, by hand: {line}")
     if args.json:
         args.json.write_text(
             json.dumps(
