@@ -494,6 +494,9 @@ class PodrlWorkerExtension:
     _podrl_weights: Any = None
     _podrl_repack: dict[str, torch.Tensor] | None = None
     _podrl_repack_planned = False
+    _podrl_tensor_parallel: tuple[int, int] | None = None
+    """This worker's tensor-parallel rank and the group's size, read once by
+    :meth:`podrl_describe` at engine start, so that no apply calls into vLLM's internals."""
 
     # ---- what the service asks the workers -------------------------------------------------
 
@@ -504,11 +507,14 @@ class PodrlWorkerExtension:
         state.
 
         Called once per worker when the engine starts: from then on nothing of the engine
-        outlives the generator ``generator_pid`` (``engine_processes.die_with_generator``)."""
+        outlives the generator ``generator_pid`` (``engine_processes.die_with_generator``), and
+        the worker knows its tensor-parallel rank (its receiver, built on the first apply,
+        slices by it)."""
         if generator_pid is not None:
             from podrl.generator.engine_processes import die_with_generator
 
             die_with_generator(generator_pid)
+        self._podrl_tensor_parallel = vllm_compat.tensor_parallel_rank_and_size()
         model = self.model_runner.get_model()
         return {
             "apply_mode": self._podrl_resolve_mode(mode),
@@ -632,7 +638,9 @@ class PodrlWorkerExtension:
             dtype = self.vllm_config.model_config.dtype
             layout = None
             if mode in ("in_place", "repack"):
-                layout = vllm_layout(description, *vllm_compat.tensor_parallel_rank_and_size())
+                if self._podrl_tensor_parallel is None:
+                    raise RuntimeError("podrl_describe runs at engine start, before any apply")
+                layout = vllm_layout(description, *self._podrl_tensor_parallel)
             self._podrl_receiver = WeightReceiver(
                 description,
                 layout=layout,
