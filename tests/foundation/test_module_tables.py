@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "services" / "podrl"
-PAGES = {"tasks": "tasks.md", "grader": "grader.md"}
+PAGES = {"tasks": "tasks.md", "grader": "grader.md", "environments": "environments.md"}
 
 
 def documented(page: str) -> set[str]:
