@@ -47,6 +47,7 @@ import re
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -334,15 +335,17 @@ def write_docs(paths: dict[str, dict[str, set[str]]]) -> list[str]:
     like_step = set(paths["step_full_manifest"]) - left_out
     like_sync = set(paths["sync_full_manifest"]) - left_out
     rewritten = re.sub(
-        r"the step is\s+\d+\s+files\s+in\s+\d+",
+        r"the\s+step\s+is\s+\d+\s+files\s+in\s+\d+",
         f"the step is {len(like_step)} files in {len(packages(like_step))}",
         paragraph,
     )
     rewritten = re.sub(
-        r"the full sync\s+\d+\s+files\s+in\s+\d+",
+        r"the\s+full\s+sync\s+\d+\s+files\s+in\s+\d+",
         f"the full sync {len(like_sync)} files in {len(packages(like_sync))}",
         rewritten,
     )
+    if rewritten != paragraph:  # filled again: the figures may have changed length
+        rewritten = textwrap.fill(" ".join(rewritten.split()), 100, break_on_hyphens=False)
     new = new.replace(paragraph, rewritten)
     doc.write_text(text.replace(section, new))
     return todo
