@@ -38,6 +38,9 @@ from typing import Any
 #: and a span overlaps a window of more than this length only if a call fell inside it.
 GAP = 0.002
 _CO_OPTIMIZED = 0x1  # set on function code, unset on module and class bodies
+#: A comprehension runs inside the code that defines it, which counts its file already (or is
+#: a module body at import, which does not): on its own it would count an import.
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 _MISS = object()
 
 _root = ""
@@ -74,7 +77,7 @@ def _resolve(code: CodeType, frame: FrameType) -> str | None:
     filename = code.co_filename
     if filename == "<string>":
         filename = _owner_file(code, frame) or ""
-    elif not code.co_flags & _CO_OPTIMIZED:
+    elif not code.co_flags & _CO_OPTIMIZED or code.co_name in _COMPREHENSIONS:
         filename = ""  # a module or class body: import time
     if not filename.startswith(_root):
         return None

@@ -65,6 +65,7 @@ from podrl.models.tiny import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(podrl.__file__).resolve().parent
 RECORDER = Path(__file__).with_name("call_recorder.py")
+DOC = ROOT / "docs" / "architecture.md"
 STEP_START = "GrpoLoop.run_step_with_retries"
 STEP_END = "GrpoLoop.evaluate_after"
 SYNC = "StepParts.sync_weights"
@@ -223,8 +224,8 @@ def walk(processes: list[dict[str, Any]]) -> dict[str, dict[str, set[str]]]:
 _FILE = re.compile(r"`([\w/]+\.py)`")
 
 
-def _reading_order() -> str:
-    text = (ROOT / "docs" / "architecture.md").read_text()
+def _reading_order(doc: Path = DOC) -> str:
+    text = doc.read_text()
     start = text.index("## Reading order\n")
     return text[start : text.index("\n## ", start + 1)]
 
@@ -239,9 +240,9 @@ def _listed(section: str, summary: str, added_after: str) -> tuple[set[str], set
     return files, set(_FILE.findall(rest))
 
 
-def documented() -> dict[str, tuple[int, set[str]]]:
+def documented(doc: Path = DOC) -> dict[str, tuple[int, set[str]]]:
     """Per path: the file count of the table and the files of the lists."""
-    section = _reading_order()
+    section = _reading_order(doc)
     step, added = _listed(section, "One synchronous step", "A full-manifest sync adds")
     sync, _ = _listed(section, "One weight sync", "A full manifest adds")
     lists = {
@@ -291,13 +292,12 @@ def _render_lists(block: str, files: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(paths: dict[str, dict[str, set[str]]]) -> list[str]:
+def write_docs(paths: dict[str, dict[str, set[str]]], doc: Path = DOC) -> list[str]:
     """Write the recorded paths into docs/architecture.md's Reading order: the table's
     numbers, the lists and their counts, the like-for-like figures. Returns what is left to
     do by hand (the prose on the files a full manifest adds, when they changed)."""
-    doc = ROOT / "docs" / "architecture.md"
     text = doc.read_text()
-    section = _reading_order()
+    section = _reading_order(doc)
     new = section
     step, sync = set(paths["step_version_only"]), set(paths["sync_version_only"])
     added = set(paths["step_full_manifest"]) - step
