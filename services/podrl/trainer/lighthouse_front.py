@@ -61,11 +61,6 @@ def signed_replica_id(
     return f"{pod}:{secret.replica_mac(pod, manager_address, store_address)}"
 
 
-def replica_pod(replica_id: str) -> str:
-    """The pod a torchft replica id names: what precedes its first ``:`` (as torchft reads it)."""
-    return replica_id.split(":", 1)[0]
-
-
 class WireError(ValueError):
     """A request that is not the protobuf message it should be."""
 

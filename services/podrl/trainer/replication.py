@@ -54,7 +54,7 @@ from podrl.common.processes import free_ports
 from podrl.config import ConfigError
 from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError
-from podrl.trainer.lighthouse_front import replica_pod, signed_replica_id
+from podrl.trainer.lighthouse_front import signed_replica_id
 from podrl.trainer.parallel import RankEnv
 from podrl.v1 import trainer_pb2
 
@@ -97,6 +97,13 @@ def parameters_digest(model: torch.nn.Module) -> str:
 
 
 # -- the replica -----------------------------------------------------------------------------
+
+
+def replica_pod(replica_id: str) -> str:
+    """The pod a torchft replica id names: what precedes its first ``:`` (as torchft reads it;
+    the id is ``lighthouse_front.signed_replica_id``'s). Here, beside its one caller: a step's
+    quorum check runs it, so the step needs no code of the Lighthouse's front."""
+    return replica_id.split(":", 1)[0]
 
 
 def _lighthouse_url(address: str) -> str:
