@@ -229,6 +229,45 @@ def test_stop_string_ends_the_sample(generator: GeneratorProcess) -> None:
     assert len(sample.logprobs) == len(sample.token_ids)
 
 
+def test_a_turn_over_prompt_token_ids_keeps_its_stop_string_and_text_equals_its_tokens(
+    generator: GeneratorProcess,
+) -> None:
+    """A multi-turn episode's turn: the prompt as token ids alone (the episode's prefix, never
+    re-tokenized), ending at a stop string that stays in the output, on both stop paths (a
+    one-character string is a stop token, a two-character one vLLM's detokenizer checks); the
+    text is then exactly the sampled tokens' text, so the environment sees what is trained."""
+    tokenizer = AutoTokenizer.from_pretrained(generator.model_path)
+    prefix = tokenizer.encode(PROMPTS[0])
+
+    def turn(stop: list[str], include: bool) -> common_pb2.Sample:
+        reply = generator.stub.Generate(
+            generator_pb2.GenerateRequest(
+                prompts=[common_pb2.Prompt(id="episode", token_ids=prefix)],
+                sampling=common_pb2.SamplingParams(
+                    n=1,
+                    temperature=1.0,
+                    max_tokens=48,
+                    seed=5,
+                    stop=stop,
+                    include_stop_str_in_output=include,
+                ),
+            ),
+            timeout=120,
+        )
+        assert reply.policy_version == reply.samples[0].policy_version
+        return reply.samples[0]
+
+    free = turn([], False)
+    assert list(free.prompt_token_ids) == prefix and len(free.text) > 8
+    for stop in (free.text[5], free.text[6:8]):
+        kept, cut = turn([stop], True), turn([stop], False)
+        assert kept.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert list(kept.token_ids) == list(cut.token_ids)  # the ids always hold the stop
+        assert kept.text.endswith(stop) and kept.text == cut.text + stop
+        assert kept.text == tokenizer.decode(list(kept.token_ids), skip_special_tokens=True)
+        assert len(kept.logprobs) == len(kept.token_ids)
+
+
 def test_greedy_is_deterministic(generator: GeneratorProcess) -> None:
     a = generate(generator, temperature=0.0, max_tokens=12)
     b = generate(generator, temperature=0.0, max_tokens=12)

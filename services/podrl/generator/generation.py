@@ -47,6 +47,8 @@ class SamplingRequest:
     max_tokens: int = 16
     stop: Sequence[str] = ()
     seed: int | None = None
+    include_stop: bool = False
+    """Keep the stop string that ended a sample at the end of its text."""
 
 
 @dataclass
@@ -145,7 +147,7 @@ class Generation:
         # Without vLLM's detokenizer (stop_token_ids) the text is decoded here, once.
         decode = None if stop_token_ids is None else self._engine.get_tokenizer().decode
         prompts = [
-            prompt_completions(out, last, decode)
+            prompt_completions(out, last, decode, sampling.include_stop)
             for out, last in zip(outputs, span.last_versions, strict=True)
         ]
         for prompt in prompts:
@@ -167,7 +169,10 @@ class Generation:
         if stop_token_ids is not None:
             stop: dict[str, Any] = {"stop_token_ids": stop_token_ids, "detokenize": False}
         else:
-            stop = {"stop": list(sampling.stop) or None}
+            stop = {
+                "stop": list(sampling.stop) or None,
+                "include_stop_str_in_output": sampling.include_stop,
+            }
         try:
             return SamplingParams(
                 n=sampling.n,
@@ -265,18 +270,25 @@ def longest_token_bytes(tokenizer: Any) -> int | None:
 
 
 def prompt_completions(
-    output: Any, last_version: int, decode: Callable[..., str] | None = None
+    output: Any,
+    last_version: int,
+    decode: Callable[..., str] | None = None,
+    include_stop: bool = False,
 ) -> PromptCompletions:
     """podrl's view of one prompt's vLLM output, finished under ``last_version``; ``decode``
     (the tokenizer's) when vLLM did not detokenize: the text then ends before a stop token, as
-    vLLM's ends before a stop string."""
+    vLLM's ends before a stop string, unless ``include_stop`` (then it ends with it)."""
     completions = []
     for c in sorted(output.outputs, key=lambda c: c.index):
         token_ids = list(c.token_ids)
         logprobs = [step[token].logprob for step, token in zip(c.logprobs, token_ids, strict=True)]
         text = c.text
         if decode is not None:
-            stopped = isinstance(c.stop_reason, int) and token_ids[-1:] == [c.stop_reason]
+            stopped = (
+                not include_stop
+                and isinstance(c.stop_reason, int)
+                and token_ids[-1:] == [c.stop_reason]
+            )
             text = decode(token_ids[:-1] if stopped else token_ids, skip_special_tokens=True)
         completions.append(
             Completion(

@@ -93,6 +93,7 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingRequest:
         max_tokens=params.max_tokens,
         stop=tuple(params.stop),
         seed=params.seed if params.HasField("seed") else None,
+        include_stop=params.include_stop_str_in_output,
     )
 
 

@@ -44,7 +44,7 @@ class Prompt(_message.Message):
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "include_stop_str_in_output")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class SamplingParams(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -59,7 +60,8 @@ class SamplingParams(_message.Message):
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt_id", "index", "prompt_token_ids", "token_ids", "text", "logprobs", "finish_reason", "policy_version", "last_policy_version")
