@@ -35,7 +35,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     )  # fmt: skip
     from podrl.config import load_config
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.rank_commands import WeightPublishing
+    from podrl.trainer.servicer import WeightPublishing
     from podrl.v1 import trainer_pb2
     from tests.trainer.rank_worker import make_request
 

@@ -1,6 +1,6 @@
 """Publishing from a trainer of one process, as the weights and generator tests and the benches
 that drive a generator directly do (the trainer service gathers several ranks' parts instead:
-``podrl.trainer.rank_commands``)."""
+``podrl.trainer.servicer``)."""
 
 from __future__ import annotations
 

@@ -30,15 +30,15 @@ from podrl.config.trainer import ReplicationConfig
 from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
-from podrl.trainer.rank_commands import (
+from podrl.trainer.servicer import (
     CommandLoop,
     RankCommandError,
+    TrainerServicer,
     WeightPublishing,
     register_builtin_commands,
     register_commands,
     register_weight_commands,
 )
-from podrl.trainer.servicer import TrainerServicer
 from podrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from podrl.weights.errors import PublishError
 from tests.trainer.rank_worker import config_env, make_request

@@ -50,7 +50,7 @@ def test_the_rank_command_loop_waits_as_long_as_configured(monkeypatch):
     # is the idle timeout: the config's, not a constant.
     import torch.distributed as dist
 
-    from podrl.trainer.rank_commands import CommandLoop
+    from podrl.trainer.servicer import CommandLoop
 
     groups: list[dict] = []
     monkeypatch.setattr(dist, "get_rank", lambda: 0)

@@ -1,7 +1,7 @@
 """TrainerEngine: the policy model, its optimizer and schedule, the step and policy version.
 
 One engine lives on every trainer rank; rank 0 validates requests and drives the others through
-the rank command loop (``podrl.trainer.rank_commands``), every rank then calls the same engine
+the rank command loop (``podrl.trainer.servicer``), every rank then calls the same engine
 method with the same arguments. The engine owns what the step changes besides the weights, with
 no other owner: the :class:`TrainState` (policy version, last applied Train, LR schedule, RNG;
 the learning rate's multiplier is :func:`lr_multiplier`) and the gradient norm that clips the

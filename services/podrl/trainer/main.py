@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 def build_spec(config: RunConfig) -> ServiceSpec:
     """Rank 0: the engine, the command loop and the gRPC servicer."""
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.rank_commands import CommandLoop, register_commands
-    from podrl.trainer.servicer import TrainerServicer
+    from podrl.trainer.servicer import CommandLoop, TrainerServicer, register_commands
 
     engine = TrainerEngine.build(config)
     loop = CommandLoop.build(config.trainer)
@@ -46,7 +45,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
 def follow(config: RunConfig) -> int:
     """Ranks > 0: build the same engine, then run rank 0's commands until it says stop."""
     from podrl.trainer.engine import TrainerEngine
-    from podrl.trainer.rank_commands import CommandLoop, register_commands
+    from podrl.trainer.servicer import CommandLoop, register_commands
 
     rank = int(os.environ["RANK"])
 

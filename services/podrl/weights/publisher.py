@@ -20,7 +20,7 @@ holds version v").
 
 Weights holding NaN or infinity are never published: :meth:`WeightPublisher.start` refuses
 them (:class:`PublishError`) before anything is marked pending; a trainer of several ranks
-agrees on that first (``podrl.trainer.rank_commands``' ``WeightPublishing``). The assembler
+agrees on that first (``podrl.trainer.servicer``'s ``WeightPublishing``). The assembler
 signs every manifest with the pod's weights key (``podrl.weights.protocol``).
 """
 
