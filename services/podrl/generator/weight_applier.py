@@ -208,7 +208,7 @@ class RunningGenerates:
         return len(self._running)
 
 
-# ---- applying --------------------------------------------------------------------------------
+# ---- the applier -----------------------------------------------------------------------------
 
 
 class WeightApplyError(RuntimeError):
