@@ -125,6 +125,18 @@ def validate_train_request(
                 f"{where}.generator_logprobs: {len(bad)} value(s) not a finite log-probability "
                 f"in [{MIN_GENERATOR_LOGPROB:g}, 0] (e.g. {bad[0]})"
             )
+        if seq.completion_mask:
+            if len(seq.completion_mask) != len(seq.completion_ids):
+                problems.append(
+                    f"{where}.completion_mask: {len(seq.completion_mask)} values for "
+                    f"{len(seq.completion_ids)} completion tokens; send one 0/1 per token, or "
+                    "none to train every token"
+                )
+            elif any(m > 1 for m in seq.completion_mask) or not any(seq.completion_mask):
+                problems.append(
+                    f"{where}.completion_mask: values must be 0 or 1 with at least one 1 (a "
+                    "sequence with no trained token trains nothing)"
+                )
         if not math.isfinite(seq.advantage):
             problems.append(f"{where}.advantage: {seq.advantage} is not finite")
         elif abs(seq.advantage) > MAX_ABS_ADVANTAGE:
@@ -151,10 +163,17 @@ def validate_train_request(
         raise BatchError("; ".join(problems))
 
 
+def trained_tokens(seq: trainer_pb2.TrainSequence) -> int:
+    """The completion tokens a sequence trains: its mask's ones, or all without a mask."""
+    return sum(seq.completion_mask) if seq.completion_mask else len(seq.completion_ids)
+
+
 def batch_totals(sequences: Sequence[trainer_pb2.TrainSequence]) -> BatchTotals:
+    """The batch's denominators; tokens are trained tokens (an episode's environment replies
+    count in no mean)."""
     return BatchTotals(
         num_sequences=len(sequences),
-        num_tokens=sum(len(s.completion_ids) for s in sequences),
+        num_tokens=sum(trained_tokens(s) for s in sequences),
     )
 
 
@@ -185,7 +204,7 @@ def check_share_counts(request: trainer_pb2.TrainRequest) -> None:
     if not is_share(request):
         return
     local_sequences = len(request.sequences)
-    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    local_tokens = sum(trained_tokens(s) for s in request.sequences)
     if not request.global_sequences or not request.global_completion_tokens:
         raise BatchError(
             "global_sequences, global_completion_tokens: set both (the whole batch's counts) "
@@ -220,7 +239,7 @@ def validate_share(
     """``validate_train_request`` plus the fields of a batch split over pods; raise BatchError
     naming the field. Without cross-pod replication a request must be the whole batch."""
     local_sequences = len(request.sequences)
-    local_tokens = sum(len(s.completion_ids) for s in request.sequences)
+    local_tokens = sum(trained_tokens(s) for s in request.sequences)
     if not replicated:
         if request.pods > 1:
             raise BatchError(
@@ -364,7 +383,12 @@ def collate(
                 mask[row, : prompt + completion] = 1
         # Logits at positions prompt-1 .. prompt+completion-2 predict the completion tokens.
         first = prompt - 1
-        loss_mask[row, first : first + completion] = 1
+        # An episode's mask leaves its environment replies out of every sum over the mask.
+        loss_mask[row, first : first + completion] = (
+            torch.tensor(list(seq.completion_mask), dtype=loss_mask.dtype)
+            if seq.completion_mask
+            else 1
+        )
         generator_logprobs[row, first : first + completion] = torch.tensor(
             list(seq.generator_logprobs)
         )

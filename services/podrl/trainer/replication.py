@@ -53,7 +53,7 @@ from podrl.common.auth import RunSecret
 from podrl.common.processes import free_ports
 from podrl.config import ConfigError
 from podrl.config.trainer import ReplicationConfig
-from podrl.trainer.batch import BatchError
+from podrl.trainer.batch import BatchError, trained_tokens
 from podrl.trainer.lighthouse_front import signed_replica_id
 from podrl.trainer.parallel import RankEnv
 from podrl.v1 import trainer_pb2
@@ -357,7 +357,7 @@ class CrossPodReplica:
         started = time.monotonic()
         deadline = started + self.settings.quorum_timeout_seconds
         sequences = len(request.sequences)
-        tokens = sum(len(s.completion_ids) for s in request.sequences)
+        tokens = sum(trained_tokens(s) for s in request.sequences)
         expected = (
             float(request.global_sequences or sequences),
             float(request.global_completion_tokens or tokens),

@@ -25,20 +25,22 @@ RANK_ERROR_KIND_STEP_ABORTED: RankErrorKind
 RANK_ERROR_KIND_NO_SPACE: RankErrorKind
 
 class TrainSequence(_message.Message):
-    __slots__ = ("sample_id", "prompt_ids", "completion_ids", "generator_logprobs", "advantage", "policy_version")
+    __slots__ = ("sample_id", "prompt_ids", "completion_ids", "generator_logprobs", "advantage", "policy_version", "completion_mask")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_MASK_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     generator_logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantage: float
     policy_version: int
-    def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    completion_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ..., completion_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("sequences", "policy_version", "batch_id", "global_sequences", "global_completion_tokens", "pods", "pod_ids")

@@ -213,7 +213,11 @@ def train_request(
         policy_version=policy_version,
         batch_id=batch_id,
         global_sequences=len(batch.sequences),
-        global_completion_tokens=sum(len(s.completion_ids) for s in batch.sequences),
+        # Trained tokens: an episode's mask leaves its environment replies out of the mean.
+        global_completion_tokens=sum(
+            sum(s.completion_mask) if s.completion_mask else len(s.completion_ids)
+            for s in batch.sequences
+        ),
     )
 
 
