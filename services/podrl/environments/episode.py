@@ -7,8 +7,8 @@ token ids, rendered once by whoever holds the tokenizer; this type takes ids onl
 tokens trained are exactly the tokens generated, and the next turn is generated over
 :attr:`Episode.token_ids`, the same prefix.
 
-Nothing uses it yet: it is the data the episode runner will build and the trainer will train
-(docs/environments.md, "What is not built yet").
+The episode runner (podrl.controller.rollout.episodes) builds it; the trainer trains its
+``TrainSequence`` with the loss mask (docs/environments.md, "The episode runner").
 """
 
 from __future__ import annotations

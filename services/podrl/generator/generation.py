@@ -104,8 +104,9 @@ class Generation:
         """Prompt texts longer than this cannot fit ``max_model_len`` tokens: refused before
         tokenising (None: the tokenizer did not say how long its tokens are)."""
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._engine.get_tokenizer().encode(text))
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """``text``'s ids; ``special=False`` adds no special tokens (a text inside an episode)."""
+        return list(self._engine.get_tokenizer().encode(text, add_special_tokens=special))
 
     def generate(
         self,

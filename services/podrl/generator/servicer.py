@@ -263,6 +263,32 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return generator_pb2.WakeUpResponse()
 
+    def Tokenize(
+        self, request: generator_pb2.TokenizeRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.TokenizeResponse:
+        generation = self._started(context).generation
+        cap, longest = self._config.generator.max_samples_per_request, generation.max_prompt_chars
+        if len(request.texts) > cap:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"texts: {len(request.texts)} texts exceed generator.max_samples_per_request "
+                f"({cap}); split the request",
+            )
+        for i, text in enumerate(request.texts):
+            if longest is not None and len(text) > longest:
+                # As for a prompt: refused by its length before the tokenizer sees it.
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"texts[{i}]: {len(text)} characters cannot fit generator.max_model_len "
+                    f"tokens (at most {longest} characters can)",
+                )
+        return generator_pb2.TokenizeResponse(
+            tokens=[
+                generator_pb2.TokenIds(ids=generation.tokenize(text, special=False))
+                for text in request.texts
+            ]
+        )
+
     def Info(
         self, request: common_pb2.InfoRequest, context: grpc.ServicerContext
     ) -> generator_pb2.GeneratorInfo:

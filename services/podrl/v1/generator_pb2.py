@@ -26,31 +26,37 @@ from podrl.v1 import common_pb2 as podrl_dot_v1_dot_common__pb2
 from podrl.v1 import weights_pb2 as podrl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18podrl/v1/generator.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\"t\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.podrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x7f\n\x10GenerateResponse\x12!\n\x07samples\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Sample\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\"f\n\x13\x41pplyWeightsRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\x12\x10\n\x08rollback\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x08\"m\n\x14\x41pplyWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bplan_cached\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\xd9\x01\n\rGeneratorInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x14\n\x0cweight_state\x18\x08 \x01(\t\x12\x17\n\x0fin_flight_apply\x18\t \x01(\t2\xcc\x02\n\tGenerator\x12\x41\n\x08Generate\x12\x19.podrl.v1.GenerateRequest\x1a\x1a.podrl.v1.GenerateResponse\x12M\n\x0c\x41pplyWeights\x12\x1d.podrl.v1.ApplyWeightsRequest\x1a\x1e.podrl.v1.ApplyWeightsResponse\x12\x38\n\x05Sleep\x12\x16.podrl.v1.SleepRequest\x1a\x17.podrl.v1.SleepResponse\x12;\n\x06WakeUp\x12\x17.podrl.v1.WakeUpRequest\x1a\x18.podrl.v1.WakeUpResponse\x12\x36\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x17.podrl.v1.GeneratorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18podrl/v1/generator.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\x1a\x16podrl/v1/weights.proto\" \n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x10TokenizeResponse\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.podrl.v1.TokenIds\"t\n\x0fGenerateRequest\x12!\n\x07prompts\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Prompt\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.podrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x7f\n\x10GenerateResponse\x12!\n\x07samples\x18\x01 \x03(\x0b\x32\x10.podrl.v1.Sample\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\"f\n\x13\x41pplyWeightsRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.podrl.v1.WeightManifest\x12\x10\n\x08rollback\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x08\"m\n\x14\x41pplyWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\x12\x13\n\x0bplan_cached\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\xd9\x01\n\rGeneratorInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x10\n\x08sleeping\x18\x07 \x01(\x08\x12\x14\n\x0cweight_state\x18\x08 \x01(\t\x12\x17\n\x0fin_flight_apply\x18\t \x01(\t2\x8f\x03\n\tGenerator\x12\x41\n\x08Generate\x12\x19.podrl.v1.GenerateRequest\x1a\x1a.podrl.v1.GenerateResponse\x12M\n\x0c\x41pplyWeights\x12\x1d.podrl.v1.ApplyWeightsRequest\x1a\x1e.podrl.v1.ApplyWeightsResponse\x12\x38\n\x05Sleep\x12\x16.podrl.v1.SleepRequest\x1a\x17.podrl.v1.SleepResponse\x12;\n\x06WakeUp\x12\x17.podrl.v1.WakeUpRequest\x1a\x18.podrl.v1.WakeUpResponse\x12\x36\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x17.podrl.v1.GeneratorInfo\x12\x41\n\x08Tokenize\x12\x19.podrl.v1.TokenizeRequest\x1a\x1a.podrl.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'podrl.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=85
-  _globals['_GENERATEREQUEST']._serialized_end=201
-  _globals['_GENERATERESPONSE']._serialized_start=203
-  _globals['_GENERATERESPONSE']._serialized_end=330
-  _globals['_APPLYWEIGHTSREQUEST']._serialized_start=332
-  _globals['_APPLYWEIGHTSREQUEST']._serialized_end=434
-  _globals['_APPLYWEIGHTSRESPONSE']._serialized_start=436
-  _globals['_APPLYWEIGHTSRESPONSE']._serialized_end=545
-  _globals['_SLEEPREQUEST']._serialized_start=547
-  _globals['_SLEEPREQUEST']._serialized_end=576
-  _globals['_SLEEPRESPONSE']._serialized_start=578
-  _globals['_SLEEPRESPONSE']._serialized_end=593
-  _globals['_WAKEUPREQUEST']._serialized_start=595
-  _globals['_WAKEUPREQUEST']._serialized_end=610
-  _globals['_WAKEUPRESPONSE']._serialized_start=612
-  _globals['_WAKEUPRESPONSE']._serialized_end=628
-  _globals['_GENERATORINFO']._serialized_start=631
-  _globals['_GENERATORINFO']._serialized_end=848
-  _globals['_GENERATOR']._serialized_start=851
-  _globals['_GENERATOR']._serialized_end=1183
+  _globals['_TOKENIZEREQUEST']._serialized_start=85
+  _globals['_TOKENIZEREQUEST']._serialized_end=117
+  _globals['_TOKENIDS']._serialized_start=119
+  _globals['_TOKENIDS']._serialized_end=142
+  _globals['_TOKENIZERESPONSE']._serialized_start=144
+  _globals['_TOKENIZERESPONSE']._serialized_end=198
+  _globals['_GENERATEREQUEST']._serialized_start=200
+  _globals['_GENERATEREQUEST']._serialized_end=316
+  _globals['_GENERATERESPONSE']._serialized_start=318
+  _globals['_GENERATERESPONSE']._serialized_end=445
+  _globals['_APPLYWEIGHTSREQUEST']._serialized_start=447
+  _globals['_APPLYWEIGHTSREQUEST']._serialized_end=549
+  _globals['_APPLYWEIGHTSRESPONSE']._serialized_start=551
+  _globals['_APPLYWEIGHTSRESPONSE']._serialized_end=660
+  _globals['_SLEEPREQUEST']._serialized_start=662
+  _globals['_SLEEPREQUEST']._serialized_end=691
+  _globals['_SLEEPRESPONSE']._serialized_start=693
+  _globals['_SLEEPRESPONSE']._serialized_end=708
+  _globals['_WAKEUPREQUEST']._serialized_start=710
+  _globals['_WAKEUPREQUEST']._serialized_end=725
+  _globals['_WAKEUPRESPONSE']._serialized_start=727
+  _globals['_WAKEUPRESPONSE']._serialized_end=743
+  _globals['_GENERATORINFO']._serialized_start=746
+  _globals['_GENERATORINFO']._serialized_end=963
+  _globals['_GENERATOR']._serialized_start=966
+  _globals['_GENERATOR']._serialized_end=1365
 # @@protoc_insertion_point(module_scope)

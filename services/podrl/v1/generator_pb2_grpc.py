@@ -60,6 +60,11 @@ class GeneratorStub:
                 request_serializer=podrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=podrl_dot_v1_dot_generator__pb2.GeneratorInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/podrl.v1.Generator/Tokenize',
+                request_serializer=podrl_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=podrl_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GeneratorServicer:
@@ -99,6 +104,15 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of texts under the served model's tokenizer, no special tokens added: a
+        multi-turn episode's environment replies are rendered to ids once, here, by the tokenizer
+        that generates, so the controller needs neither the model's files nor a tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=podrl_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=podrl_dot_v1_dot_generator__pb2.GeneratorInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=podrl_dot_v1_dot_generator__pb2.TokenizeRequest.FromString,
+                    response_serializer=podrl_dot_v1_dot_generator__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class Generator:
             '/podrl.v1.Generator/Info',
             podrl_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             podrl_dot_v1_dot_generator__pb2.GeneratorInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/podrl.v1.Generator/Tokenize',
+            podrl_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
+            podrl_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

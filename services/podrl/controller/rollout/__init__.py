@@ -1,2 +1,2 @@
-"""Async mode's rollouts: the producer threads, the buffer of scored steps, the generator
-gate."""
+"""Rollouts beside the step driver: async mode's producer threads, the buffer of scored steps
+and the generator gate; the multi-turn episode runner."""
