@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from podrl.controller.rollout.episodes import EpisodeRunner, EpisodeSettings
+from podrl.common.auth import CONTROLLER
+from podrl.config import RunConfig
+from podrl.config.transport import GrpcConfig
+from podrl.controller.pods.table import Pod
+from podrl.controller.rollout.episodes import EpisodePhases, EpisodeRunner, EpisodeSettings
+from podrl.controller.step.batch import StepSamples, build_batch, check_score_errors, is_valid
+from podrl.controller.step.pod_calls import WorkerClients
+from podrl.controller.step_errors import StepFailedError
 from podrl.tasks import PromptItem
-from podrl.v1 import common_pb2
+from podrl.v1 import common_pb2, grader_pb2
 from tests.controller.episode_environments import TURNS
 from tests.environments.conftest import RunningEnvironments, environments_config
+from tests.foundation.run_secret import TEST_CALLER_ID, credentials
 from tests.generator.conftest import GeneratorProcess, running_generator
 
 pytestmark = pytest.mark.slow
@@ -79,7 +88,9 @@ def test_every_trained_token_was_sampled_and_every_reply_token_is_masked(
     gen = Recording(generator.stub)
     env = Recording(environments.stub)
     runner = EpisodeRunner(gen, env, _settings())
-    outcomes = runner.run([_item("a", "Hello:"), _item("b", "Count:")], n=2, step=1, seed=11)
+    outcomes = runner.run(
+        [_item("a", "Hello:"), _item("b", "Count:")], n=2, step=1, seeds={"a": 11, "b": 12}
+    )
     tokenizer = AutoTokenizer.from_pretrained(generator.model_path)
     generated = [(req, rep) for method, req, rep in gen.calls if method == "Generate"]
     for group in outcomes.values():
@@ -136,7 +147,7 @@ def test_a_killed_worker_and_a_hanging_step_fail_only_their_episode(
 ) -> None:
     runner = EpisodeRunner(generator.stub, environments.stub, _settings())
     items = [_item("exit", "EXIT now:"), _item("hang", "HANG now:"), _item("ok", "Fine:")]
-    outcomes = runner.run(items, n=2, step=2, seed=3)
+    outcomes = runner.run(items, n=2, step=2, seeds=dict.fromkeys(["exit", "hang", "ok"], 3))
     for outcome in outcomes["exit"]:
         assert "INTERNAL" in outcome.error and "exit code" in outcome.error, outcome.error
         assert len(outcome.turns) == 1
@@ -162,3 +173,80 @@ def test_an_episode_stops_at_its_token_limit(
     assert not outcome.error and outcome.ended == "tokens"
     assert outcome.episode is not None
     assert len(outcome.episode.token_ids) <= limit
+
+
+class _Table:
+    """The pod table as the phases read it: every pod usable."""
+
+    def usable(self, pod: Pod) -> bool:
+        return True
+
+    def note_shares(self, prompts: dict[str, int]) -> None:
+        self.shares = prompts
+
+    def drop(self, pod_id: str, reason: str) -> None:
+        raise AssertionError(f"pod {pod_id} dropped: {reason}")
+
+    def mark_unreachable(self, address: str) -> None:
+        raise AssertionError(f"{address} unreachable")
+
+
+def test_a_task_naming_an_environment_is_played_scored_and_batched_with_its_mask(
+    generator: GeneratorProcess, environments: RunningEnvironments
+) -> None:
+    """The step's phases for a run whose task names an environment: its items are episodes
+    on the pod's generator and environment service (at environments.grpc_port on the
+    generator's host), scored by the environment; a failed one is a scoring error that the
+    batch leaves out; the batch's sequences carry the masks."""
+    config = RunConfig.model_validate(
+        {
+            "environments": {
+                "plugins": {"scripted": SCRIPTED},
+                "grpc_port": environments.config.environments.grpc_port,
+            },
+            "tasks": {
+                "definitions": [
+                    {
+                        "name": "tool",
+                        "source": {"kind": "procedural", "generator": "add"},
+                        "rewards": [{"name": "exact_match"}],
+                        "environment": "scripted",
+                        "turn_stop": ["]"],
+                    }
+                ]
+            },
+            "loop": {"sampling": {"n": 2, "max_tokens": 12, "seed": 5}},
+        }
+    )
+    clients = WorkerClients(GrpcConfig(), credentials(CONTROLLER, TEST_CALLER_ID))
+    pool = ThreadPoolExecutor(4)
+    phases = EpisodePhases(clients, pool, _Table(), config.tasks.definitions, config.environments)  # type: ignore[arg-type]
+    pod = Pod(id="local-0", trainer="", generator=generator.address, grader="")
+    items = [
+        PromptItem(id="tool/0", task="tool", prompt="One:", reference="", target=""),
+        PromptItem(id="tool/1", task="tool", prompt="EXIT two:", reference="", target=""),
+    ]
+    data = StepSamples(items=items)
+    try:
+        phases.generate(1, data, config.loop.sampling, 0, [pod])
+        phases.score(data, [pod])
+    finally:
+        pool.shutdown()
+        clients.close()
+    assert data.pod_of == {"tool/0": "local-0", "tool/1": "local-0"}
+    good = [data.scores[f"tool/0#{i}"] for i in range(2)]
+    assert [s.reward for s in good] == [1.0, 1.0] and all(is_valid(s) for s in good)
+    bad = data.scores["tool/1#0"]
+    assert bad.error == grader_pb2.SCORE_ERROR_ENVIRONMENT and "exit code" in bad.error_message
+    assert [len(data.turns[f"tool/0#{i}"]) for i in range(2)] == [TURNS, TURNS]
+    with pytest.raises(StepFailedError, match="SCORE_ERROR_ENVIRONMENT: 2"):
+        check_score_errors(data, max_error_rate=0.25)  # half the samples failed
+    # Equal rewards leave the group no variance: give the two episodes different rewards.
+    data.scores["tool/0#1"].reward = 0.0
+    batch = build_batch(data, normalize_std=True, min_valid_per_group=2)
+    assert [s.sample_id for s in batch.sequences] == ["tool/0#0", "tool/0#1"]
+    for sequence in batch.sequences:
+        sample = data.samples["tool/0"][int(sequence.sample_id[-1])]
+        assert list(sequence.completion_mask) == list(sample.completion_mask)
+        assert 0 in sequence.completion_mask and 1 in sequence.completion_mask
+        assert list(sequence.completion_ids) == list(sample.token_ids)

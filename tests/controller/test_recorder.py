@@ -18,7 +18,9 @@ from podrl.controller.records.recorder import (
     StepRecorder,
 )
 from podrl.controller.service.status import RunState
-from podrl.v1 import trainer_pb2
+from podrl.controller.step.batch import StepSamples
+from podrl.tasks import PromptItem
+from podrl.v1 import common_pb2, grader_pb2, trainer_pb2
 
 
 @pytest.fixture
@@ -100,3 +102,20 @@ def test_drift_warnings_outlive_a_controller_restart_and_leave_with_their_steps(
     # Steps removed on resume take their warnings with them.
     again.forget_steps_after(10)
     assert [w["step"] for w in state.view().warnings] == list(range(4, 11))
+
+
+def test_an_episodes_row_in_samples_jsonl_carries_its_turns(recorder: StepRecorder) -> None:
+    """A multi-turn episode's row gets its turns; a single-turn sample's row gets none."""
+    items = [
+        PromptItem(id=f"t/{i}", task="t", prompt="p", reference="r", target="") for i in range(2)
+    ]
+    data = StepSamples(items=items)
+    turn = {"action": "<calc>2*3</calc>", "observation": "<result>6</result>", "tool_calls": 1}
+    for item in items:
+        data.samples[item.id] = [common_pb2.Sample(prompt_id=item.id, index=0, text="x")]
+        data.scores[f"{item.id}#0"] = grader_pb2.ItemScore(id=f"{item.id}#0", reward=1.0)
+    data.turns["t/0#0"] = [turn]
+    recorder.write_samples(1, data, {"t/0#0", "t/1#0"})
+    rows = [json.loads(line) for line in recorder.samples.path.read_text().splitlines()]
+    assert rows[0]["turns"] == [turn]
+    assert "turns" not in rows[1]

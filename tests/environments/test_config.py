@@ -6,6 +6,7 @@ field; SIGTERM: exit 0, its workers gone)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,8 +19,9 @@ import pytest
 import yaml
 
 from podrl.common.processes import free_port
-from podrl.config import ConfigError, load_config
+from podrl.config import ConfigError, coupling, load_config
 from podrl.config.environments import EnvironmentsConfig
+from podrl.environments.builtins import BUILTIN_ENVIRONMENTS
 from podrl.environments.isolation import resolve_environments
 from podrl.v1 import common_pb2, environment_pb2_grpc
 from tests.environments.conftest import FAULTY
@@ -42,6 +44,7 @@ def load(tmp_path: Path, config: dict[str, object]) -> object:
         ("worker_memory_mib", 64),
         ("max_state_bytes", 10),
         ("max_sessions", 0),
+        ("episodes_in_flight", 0),
         ("plugins", {"mine": "not an import path"}),
     ],
 )
@@ -153,3 +156,42 @@ def test_a_port_in_use_stops_the_service_naming_its_field(tmp_path: Path, field:
     assert f"environments.{field}: cannot listen on 127.0.0.1:{port}" in stderr
     assert f"PODRL_ENVIRONMENTS__{field.upper()}" in stderr
     assert "Traceback" not in stderr
+
+
+def _task(**fields: object) -> dict[str, object]:
+    return {
+        "name": "tool",
+        "source": {"kind": "procedural", "generator": "add"},
+        "rewards": [{"name": "exact_match"}],
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        (
+            _task(environment="chess"),
+            "tasks.definitions[0].environment / environments.plugins: task 'tool' names the "
+            "environment 'chess', which is neither a built-in nor a plug-in (known: calculator, "
+            "guess_number)",
+        ),
+        (
+            _task(turn_stop=["</calc>"]),
+            "tasks.definitions[0].turn_stop / tasks.definitions[0].environment",
+        ),
+    ],
+)
+def test_a_task_names_a_known_environment_and_turns_only_with_one(
+    tmp_path: Path, task: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(tmp_path, {"tasks": {"definitions": [task]}})
+    loaded = load(
+        tmp_path, {"tasks": {"definitions": [_task(environment="calculator", turn_stop=["]"])]}}
+    )
+    assert loaded.tasks.definitions[0].environment == "calculator"
+
+
+def test_the_configs_built_in_names_are_the_services() -> None:
+    assert set(coupling.BUILTIN_ENVIRONMENTS) == set(BUILTIN_ENVIRONMENTS)

@@ -113,6 +113,7 @@ def apply_coupling_rules(config: CoupledSections) -> None:
     _cross_pod_backend(config, problems)
     _evaluation(config, problems)
     _episode_length(config, problems)
+    _task_environments(config, problems)
     _off_policy(config)
     if problems:
         raise CoupledFieldsError(problems)
@@ -362,6 +363,32 @@ def _evaluation(config: CoupledSections, problems: list[CouplingProblem]) -> Non
                 "loop.eval_prompts (prompts per evaluation) or loop.eval_every: 0",
             )
         )
+
+
+#: The built-in environments' names (podrl.environments.builtins; config imports no service).
+BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
+
+
+def _task_environments(config: CoupledSections, problems: list[CouplingProblem]) -> None:
+    known = sorted({*BUILTIN_ENVIRONMENTS, *config.environments.plugins})
+    for i, task in enumerate(config.tasks.definitions):
+        if task.environment is not None and task.environment not in known:
+            problems.append(
+                CouplingProblem(
+                    (f"tasks.definitions[{i}].environment", "environments.plugins"),
+                    f"task {task.name!r} names the environment {task.environment!r}, which is "
+                    f"neither a built-in nor a plug-in (known: {', '.join(known)}); name one of "
+                    "them or add it to environments.plugins",
+                )
+            )
+        if task.turn_stop and task.environment is None:
+            problems.append(
+                CouplingProblem(
+                    (f"tasks.definitions[{i}].turn_stop", f"tasks.definitions[{i}].environment"),
+                    f"task {task.name!r} sets turn_stop but names no environment: turns exist "
+                    "only in episodes; set environment or drop turn_stop",
+                )
+            )
 
 
 def _episode_length(config: CoupledSections, problems: list[CouplingProblem]) -> None:

@@ -51,6 +51,13 @@ class EnvironmentsConfig(ServiceSection):
         "(every turn is generated over the whole episode, so it must fit "
         "generator.max_model_len; follows it when unset).",
     )
+    episodes_in_flight: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Episodes the controller's episode runner plays at once per pod and task "
+        "(each a thread over blocking gRPC calls; the generator batches their turns).",
+    )
     step_timeout_seconds: float = Field(
         10.0,
         gt=0,

@@ -192,6 +192,18 @@ class TaskConfig(Section):
         description="A source of evaluation prompts of its own (e.g. a test-set JSONL) instead "
         "of split.eval; podrl does not check it against the RL stream.",
     )
+    environment: str | None = Field(
+        None,
+        min_length=1,
+        description="An environment (a built-in or an environments.plugins name) that plays "
+        "each sample as a multi-turn episode: the controller's episode runner calls it, and its "
+        "reward replaces the task's rewards in training. None: single-turn, scored by rewards.",
+    )
+    turn_stop: list[str] = Field(
+        default_factory=list,
+        description="With environment: strings that end a turn and stay in its text (a tool "
+        "call's closing tag, e.g. '</calc>'), beside loop.sampling.stop.",
+    )
     pass_threshold: float = Field(
         1.0,
         description="An evaluation prompt counts as passed (held-out accuracy) when its greedy "

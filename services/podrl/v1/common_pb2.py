@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15podrl/v1/common.proto\x12\x08podrl.v1\"\xd5\x01\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12\x30\n\x08metadata\x18\x06 \x03(\x0b\x32\x1e.podrl.v1.Prompt.MetadataEntry\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"\xb0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xdb\x01\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.podrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x04\x12\x1b\n\x13last_policy_version\x18\t \x01(\x04\"\xa7\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x33\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32\".podrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\r\n\x0bInfoRequest*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15podrl/v1/common.proto\x12\x08podrl.v1\"\xd5\x01\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12\x30\n\x08metadata\x18\x06 \x03(\x0b\x32\x1e.podrl.v1.Prompt.MetadataEntry\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_seed\"\xb0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xf4\x01\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.podrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x04\x12\x1b\n\x13last_policy_version\x18\t \x01(\x04\x12\x17\n\x0f\x63ompletion_mask\x18\n \x03(\r\"\xa7\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x33\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32\".podrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\r\n\x0bInfoRequest*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SERVICEINFO_DETAILSENTRY']._loaded_options = None
   _globals['_SERVICEINFO_DETAILSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=837
-  _globals['_FINISHREASON']._serialized_end=957
+  _globals['_FINISHREASON']._serialized_start=862
+  _globals['_FINISHREASON']._serialized_end=982
   _globals['_PROMPT']._serialized_start=36
   _globals['_PROMPT']._serialized_end=249
   _globals['_PROMPT_METADATAENTRY']._serialized_start=193
@@ -44,11 +44,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=252
   _globals['_SAMPLINGPARAMS']._serialized_end=428
   _globals['_SAMPLE']._serialized_start=431
-  _globals['_SAMPLE']._serialized_end=650
-  _globals['_SERVICEINFO']._serialized_start=653
-  _globals['_SERVICEINFO']._serialized_end=820
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=774
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=820
-  _globals['_INFOREQUEST']._serialized_start=822
-  _globals['_INFOREQUEST']._serialized_end=835
+  _globals['_SAMPLE']._serialized_end=675
+  _globals['_SERVICEINFO']._serialized_start=678
+  _globals['_SERVICEINFO']._serialized_end=845
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=799
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=845
+  _globals['_INFOREQUEST']._serialized_start=847
+  _globals['_INFOREQUEST']._serialized_end=860
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_id", "index", "prompt_token_ids", "token_ids", "text", "logprobs", "finish_reason", "policy_version", "last_policy_version")
+    __slots__ = ("prompt_id", "index", "prompt_token_ids", "token_ids", "text", "logprobs", "finish_reason", "policy_version", "last_policy_version", "completion_mask")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Sample(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +84,8 @@ class Sample(_message.Message):
     finish_reason: FinishReason
     policy_version: int
     last_policy_version: int
-    def __init__(self, prompt_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ...) -> None: ...
+    completion_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., completion_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServiceInfo(_message.Message):
     __slots__ = ("service", "version", "worker_id", "details")

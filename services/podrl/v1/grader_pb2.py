@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from podrl.v1 import common_pb2 as podrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15podrl/v1/grader.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\"\xc2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x33\n\x08metadata\x18\x06 \x03(\x0b\x32!.podrl.v1.ScoreItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\x0cScoreRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.podrl.v1.ScoreItem\"\xe8\x01\n\tItemScore\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x37\n\ncomponents\x18\x03 \x03(\x0b\x32#.podrl.v1.ItemScore.ComponentsEntry\x12#\n\x05\x65rror\x18\x04 \x01(\x0e\x32\x14.podrl.v1.ScoreError\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x17\n\x0flatency_seconds\x18\x06 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"4\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.podrl.v1.ItemScore\"m\n\x0eTaskRewardInfo\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t\x12\x0f\n\x07weights\x18\x03 \x03(\x02\x12\x0f\n\x07sources\x18\x04 \x03(\t\x12\x17\n\x0f\x66\x61llback_reward\x18\x05 \x01(\x02\"\xb9\x01\n\nGraderInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x18\n\x10reward_functions\x18\x03 \x03(\t\x12.\n\x0ctask_rewards\x18\x04 \x03(\x0b\x32\x18.podrl.v1.TaskRewardInfo\x12\x1c\n\x14item_timeout_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07workers\x18\x06 \x01(\r*\x91\x01\n\nScoreError\x12\x14\n\x10SCORE_ERROR_NONE\x10\x00\x12\x19\n\x15SCORE_ERROR_EXCEPTION\x10\x01\x12\x17\n\x13SCORE_ERROR_TIMEOUT\x10\x02\x12\x1b\n\x17SCORE_ERROR_WORKER_DIED\x10\x03\x12\x1c\n\x18SCORE_ERROR_UNKNOWN_TASK\x10\x04\x32w\n\x06Grader\x12\x38\n\x05Score\x12\x16.podrl.v1.ScoreRequest\x1a\x17.podrl.v1.ScoreResponse\x12\x33\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x14.podrl.v1.GraderInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15podrl/v1/grader.proto\x12\x08podrl.v1\x1a\x15podrl/v1/common.proto\"\xc2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x33\n\x08metadata\x18\x06 \x03(\x0b\x32!.podrl.v1.ScoreItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\x0cScoreRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.podrl.v1.ScoreItem\"\xe8\x01\n\tItemScore\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x37\n\ncomponents\x18\x03 \x03(\x0b\x32#.podrl.v1.ItemScore.ComponentsEntry\x12#\n\x05\x65rror\x18\x04 \x01(\x0e\x32\x14.podrl.v1.ScoreError\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x17\n\x0flatency_seconds\x18\x06 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"4\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.podrl.v1.ItemScore\"m\n\x0eTaskRewardInfo\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\ncomponents\x18\x02 \x03(\t\x12\x0f\n\x07weights\x18\x03 \x03(\x02\x12\x0f\n\x07sources\x18\x04 \x03(\t\x12\x17\n\x0f\x66\x61llback_reward\x18\x05 \x01(\x02\"\xb9\x01\n\nGraderInfo\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.podrl.v1.ServiceInfo\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x18\n\x10reward_functions\x18\x03 \x03(\t\x12.\n\x0ctask_rewards\x18\x04 \x03(\x0b\x32\x18.podrl.v1.TaskRewardInfo\x12\x1c\n\x14item_timeout_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07workers\x18\x06 \x01(\r*\xae\x01\n\nScoreError\x12\x14\n\x10SCORE_ERROR_NONE\x10\x00\x12\x19\n\x15SCORE_ERROR_EXCEPTION\x10\x01\x12\x17\n\x13SCORE_ERROR_TIMEOUT\x10\x02\x12\x1b\n\x17SCORE_ERROR_WORKER_DIED\x10\x03\x12\x1c\n\x18SCORE_ERROR_UNKNOWN_TASK\x10\x04\x12\x1b\n\x17SCORE_ERROR_ENVIRONMENT\x10\x05\x32w\n\x06Grader\x12\x38\n\x05Score\x12\x16.podrl.v1.ScoreRequest\x1a\x17.podrl.v1.ScoreResponse\x12\x33\n\x04Info\x12\x15.podrl.v1.InfoRequest\x1a\x14.podrl.v1.GraderInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ITEMSCORE_COMPONENTSENTRY']._loaded_options = None
   _globals['_ITEMSCORE_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREERROR']._serialized_start=896
-  _globals['_SCOREERROR']._serialized_end=1041
+  _globals['_SCOREERROR']._serialized_end=1070
   _globals['_SCOREITEM']._serialized_start=59
   _globals['_SCOREITEM']._serialized_end=253
   _globals['_SCOREITEM_METADATAENTRY']._serialized_start=206
@@ -54,6 +54,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKREWARDINFO']._serialized_end=705
   _globals['_GRADERINFO']._serialized_start=708
   _globals['_GRADERINFO']._serialized_end=893
-  _globals['_GRADER']._serialized_start=1043
-  _globals['_GRADER']._serialized_end=1162
+  _globals['_GRADER']._serialized_start=1072
+  _globals['_GRADER']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

@@ -15,11 +15,13 @@ class ScoreError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCORE_ERROR_TIMEOUT: _ClassVar[ScoreError]
     SCORE_ERROR_WORKER_DIED: _ClassVar[ScoreError]
     SCORE_ERROR_UNKNOWN_TASK: _ClassVar[ScoreError]
+    SCORE_ERROR_ENVIRONMENT: _ClassVar[ScoreError]
 SCORE_ERROR_NONE: ScoreError
 SCORE_ERROR_EXCEPTION: ScoreError
 SCORE_ERROR_TIMEOUT: ScoreError
 SCORE_ERROR_WORKER_DIED: ScoreError
 SCORE_ERROR_UNKNOWN_TASK: ScoreError
+SCORE_ERROR_ENVIRONMENT: ScoreError
 
 class ScoreItem(_message.Message):
     __slots__ = ("id", "prompt", "completion", "reference", "task", "metadata")

@@ -113,6 +113,12 @@ def train_figures(
     return figures
 
 
+def _turns(turns: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A multi-turn episode's row gets its turns (each turn's action and the environment's
+    reply); a single-turn sample's row is as it was."""
+    return {} if turns is None else {"turns": turns}
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -209,6 +215,7 @@ class StepRecorder:
                 "score_error": None if valid else grader_pb2.ScoreError.Name(score.error),
                 "score_error_message": None if valid else score.error_message,
                 "trained": sample_id(item.id, sample.index) in trained_ids,
+                **_turns(data.turns.get(sample_id(item.id, sample.index))),
             }
 
         self.samples.write(row(item, sample) for item, sample in data.all_samples())

@@ -21,15 +21,29 @@ with its message, never trained; a failed generator call fails the whole rollout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from podrl.controller.step_errors import describe_rpc_error
+from podrl.config.environments import EnvironmentsConfig
+from podrl.config.loop import SamplingConfig
+from podrl.config.tasks import TaskConfig
+from podrl.controller.pods.table import Pod, PodTable
+from podrl.controller.step.batch import StepSamples, sample_id
+from podrl.controller.step.pod_calls import (
+    WorkerClients,
+    WorkerPhases,
+    prompt_seed,
+    settle,
+    split_round_robin,
+)
+from podrl.controller.step_errors import StepFailedError, describe_rpc_error
 from podrl.environments.episode import Episode, EpisodeError
 from podrl.tasks import PromptItem
 from podrl.v1 import (
@@ -38,6 +52,7 @@ from podrl.v1 import (
     environment_pb2_grpc,
     generator_pb2,
     generator_pb2_grpc,
+    grader_pb2,
     trainer_pb2,
 )
 
@@ -141,15 +156,21 @@ class EpisodeRunner:
         """Episodes running now (the status reads it)."""
 
     def run(
-        self, items: Sequence[PromptItem], n: int, step: int, seed: int | None = None
+        self,
+        items: Sequence[PromptItem],
+        n: int,
+        step: int,
+        seeds: Mapping[str, int | None] | None = None,
     ) -> dict[str, list[EpisodeOutcome]]:
         """``n`` episodes of every item, concurrently; prompt id → its outcomes by index.
+        ``seeds``: prompt id → its seed (episode ``i`` and its turns derive theirs from it).
         Raises :class:`GenerateFailedError` when the generator fails."""
         jobs = [(item, index) for item in items for index in range(n)]
         workers = max(1, min(self.settings.episodes_in_flight, len(jobs)))
+        seeds = seeds or {}
         with ThreadPoolExecutor(workers, thread_name_prefix="episode") as pool:
             futures = [
-                pool.submit(self.play, item, index, f"{step}:{item.id}#{index}", seed)
+                pool.submit(self.play, item, index, f"{step}:{item.id}#{index}", seeds.get(item.id))
                 for item, index in jobs
             ]
             outcomes = [future.result() for future in futures]
@@ -293,3 +314,194 @@ class EpisodeRunner:
 
 class _EnvironmentFailedError(Exception):
     """An environment call failed: the episode is an error (caught in ``play``)."""
+
+
+def environment_address(generator_address: str, port: int) -> str:
+    """Where a pod's environment service listens: it runs in the worker pod beside the
+    generator (its own container, docs/environments.md), so on the generator's host at
+    ``environments.grpc_port``."""
+    host = generator_address.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def episode_sample(outcome: EpisodeOutcome) -> common_pb2.Sample:
+    """An episode as the step's samples carry it: its completion is every token after the
+    prompt, its mask says which were sampled; empty when it failed before its first turn."""
+    episode = outcome.episode
+    sample = common_pb2.Sample(prompt_id=outcome.prompt_id, index=outcome.index)
+    if episode is None or not episode.turns:
+        return sample
+    versions = [v for span in episode.spans for v in span.versions]
+    sample.prompt_token_ids.extend(episode.prompt_ids)
+    sample.token_ids.extend(episode.completion_ids)
+    sample.logprobs.extend(episode.generator_logprobs)
+    sample.completion_mask.extend(episode.loss_mask)
+    sample.text = "".join(turn.action + turn.observation for turn in outcome.turns)
+    sample.finish_reason = common_pb2.FINISH_REASON_STOP
+    sample.policy_version = episode.oldest_version
+    sample.last_policy_version = max(versions)
+    return sample
+
+
+def episode_score(outcome: EpisodeOutcome, sample_id: str) -> grader_pb2.ItemScore:
+    """The environment's reward as the step's score, or the environment's failure as a
+    scoring error (left out of training, counted by ``loop.max_score_error_rate``)."""
+    if outcome.error:
+        return grader_pb2.ItemScore(
+            id=sample_id,
+            error=grader_pb2.SCORE_ERROR_ENVIRONMENT,
+            error_message=outcome.error,
+            latency_seconds=outcome.environment_seconds,
+        )
+    return grader_pb2.ItemScore(
+        id=sample_id,
+        reward=outcome.reward,
+        components={"environment": outcome.reward},
+        latency_seconds=outcome.environment_seconds,
+    )
+
+
+def turn_rows(outcome: EpisodeOutcome) -> list[dict[str, Any]]:
+    """An episode's turns as samples.jsonl shows them."""
+    return [dataclasses.asdict(turn) for turn in outcome.turns]
+
+
+class EpisodePhases(WorkerPhases):
+    """Generate and Score of a run whose tasks name environments: the items of those tasks are
+    played as episodes on the step's pods (each pod's generator and environment service), the
+    others are generated and scored as before. Built only when a task names an environment, so
+    a single-turn run's step never runs this file."""
+
+    def __init__(
+        self,
+        clients: WorkerClients,
+        pool: ThreadPoolExecutor,
+        table: PodTable,
+        tasks: Sequence[TaskConfig],
+        environments: EnvironmentsConfig,
+    ) -> None:
+        super().__init__(clients, pool, table)
+        self.tasks = {task.name: task for task in tasks if task.environment is not None}
+        self.environments = environments
+        self.runners: list[EpisodeRunner] = []
+        """The runners playing now (the status sums their episodes in flight)."""
+
+    def generate(
+        self,
+        step: int,
+        data: StepSamples,
+        sampling: SamplingConfig,
+        policy_version: int | None,
+        pods: list[Pod],
+    ) -> None:
+        plain = [item for item in data.items if item.task not in self.tasks]
+        episodic = [item for item in data.items if item.task in self.tasks]
+        if plain:
+            part = StepSamples(items=plain)
+            super().generate(step, part, sampling, policy_version, pods)
+            data.samples.update(part.samples)
+            data.pod_of.update(part.pod_of)
+        if episodic:
+            self._play(step, data, episodic, sampling, policy_version, pods)
+
+    def _play(
+        self,
+        step: int,
+        data: StepSamples,
+        items: list[PromptItem],
+        sampling: SamplingConfig,
+        policy_version: int | None,
+        pods: list[Pod],
+    ) -> None:
+        pods = self._check_pods(pods)
+        if not pods:
+            raise StepFailedError("generate", "no healthy pod can play episodes (none admitted)")
+        seeds = {
+            item.id: None if sampling.seed is None else prompt_seed(sampling.seed, step, item.id)
+            for item in items
+        }
+        by_task: dict[str, list[PromptItem]] = {}
+        for item in items:
+            by_task.setdefault(item.task, []).append(item)
+        jobs = [
+            (pod, task, chunk)
+            for task, task_items in by_task.items()
+            for pod, chunk in zip(pods, split_round_robin(task_items, len(pods)), strict=False)
+        ]
+
+        def play(pod: Pod, task: str, chunk: list[PromptItem]) -> None:
+            runner = self._runner(pod, self.tasks[task], sampling)
+            self.runners.append(runner)
+            try:
+                outcomes = runner.run(chunk, sampling.n, step, seeds)
+            except GenerateFailedError as err:
+                # As a failed Generate: the attempt fails and the step is retried.
+                raise StepFailedError("generate", f"pod {pod.id}: {err}") from err
+            finally:
+                self.runners.remove(runner)
+            for item in chunk:
+                data.pod_of[item.id] = pod.id
+                data.samples[item.id] = [episode_sample(o) for o in outcomes[item.id]]
+                for outcome in outcomes[item.id]:
+                    sid = sample_id(item.id, outcome.index)
+                    data.scores[sid] = episode_score(outcome, sid)
+                    data.turns[sid] = turn_rows(outcome)
+
+        for outcome in settle(self.pool, [lambda j=j: play(*j) for j in jobs]):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self.table.note_shares(prompts=data.prompts_by_pod())
+        if policy_version is None:
+            return
+        for item in items:
+            stale = [
+                s.policy_version
+                for s in data.samples[item.id]
+                if s.token_ids and s.policy_version != policy_version
+            ]
+            if stale:
+                raise StepFailedError(
+                    "generate",
+                    f"prompt {item.id}: an episode sampled by policy version {stale[0]}, "
+                    f"expected {policy_version}",
+                )
+
+    def _runner(self, pod: Pod, task: TaskConfig, sampling: SamplingConfig) -> EpisodeRunner:
+        config = self.environments
+        return EpisodeRunner(
+            self.clients.generator(pod.generator),
+            self.clients.environment(environment_address(pod.generator, config.grpc_port)),
+            EpisodeSettings(
+                environment=task.environment or "",
+                sampling=common_pb2.SamplingParams(
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=sampling.max_tokens,
+                    stop=sampling.stop,
+                ),
+                turn_stop=task.turn_stop,
+                max_episode_tokens=config.max_episode_tokens,
+                max_turns=config.max_turns,
+                episodes_in_flight=config.episodes_in_flight,
+                timeout_seconds=self.clients.long,
+            ),
+        )
+
+    def score(self, data: StepSamples, pods: list[Pod]) -> None:
+        """Episodes were scored by their environment while they played; the other items go to
+        the graders as before."""
+        plain = [item for item in data.items if item.task not in self.tasks]
+        if not plain:
+            return
+        part = StepSamples(
+            items=plain,
+            samples={item.id: data.samples[item.id] for item in plain},
+            pod_of={item.id: data.pod_of[item.id] for item in plain if item.id in data.pod_of},
+        )
+        super().score(part, pods)
+        data.scores.update(part.scores)
+
+    @property
+    def episodes_in_flight(self) -> int:
+        return sum(runner.in_flight for runner in list(self.runners))

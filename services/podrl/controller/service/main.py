@@ -104,6 +104,11 @@ def build_loop(
     gate = GeneratorGate()
     asynchronous = config.loop.mode == "async"
     phases = WorkerPhases(clients, pool, table)
+    if any(task.environment is not None for task in config.tasks.definitions):
+        # Imported only here: a single-turn run's step runs no episode code.
+        from podrl.controller.rollout.episodes import EpisodePhases
+
+        phases = EpisodePhases(clients, pool, table, config.tasks.definitions, config.environments)
     weights = WeightSync(
         clients,
         pool,

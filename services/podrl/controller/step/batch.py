@@ -51,6 +51,8 @@ class StepSamples:
     """Sample id → its score."""
     pod_of: dict[str, str] = field(default_factory=dict)
     """Prompt id → the pod whose generator sampled its group."""
+    turns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Sample id → a multi-turn episode's turns, as samples.jsonl shows them."""
 
     def prompts_by_pod(self) -> dict[str, int]:
         return dict(Counter(self.pod_of[item.id] for item in self.items if item.id in self.pod_of))
@@ -145,6 +147,7 @@ def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: 
                     prompt_ids=sample.prompt_token_ids,
                     completion_ids=sample.token_ids,
                     generator_logprobs=sample.logprobs,
+                    completion_mask=sample.completion_mask,
                     advantage=advantage,
                     policy_version=sample.policy_version,
                 )

@@ -104,6 +104,7 @@ from podrl.controller.step_errors import (
 from podrl.tasks import PromptItem
 from podrl.v1 import (
     common_pb2,
+    environment_pb2_grpc,
     generator_pb2,
     generator_pb2_grpc,
     grader_pb2,
@@ -157,6 +158,9 @@ class WorkerClients:
 
     def trainer(self, address: str) -> trainer_pb2_grpc.TrainerStub:
         return trainer_pb2_grpc.TrainerStub(self._channel(address))
+
+    def environment(self, address: str) -> environment_pb2_grpc.EnvironmentStub:
+        return environment_pb2_grpc.EnvironmentStub(self._channel(address))
 
     @property
     def short(self) -> float:
