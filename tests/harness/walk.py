@@ -23,13 +23,13 @@ The paths, cut out of the run by the controller's loop thread (markers of the re
   starts, the first reward import): printed apart, not counted.
 
 Every thread of every process counts except those that serve no path: the workers' membership
-heartbeats (``membership``), the controller's REST API (``rest`` and its ``AnyIO worker
-thread`` pool: this tool polls the status), its gRPC server (``controller-rpc``: the workers'
-Register and Heartbeat) and the torchft Lighthouse's process (it forwards every trainer's
-torchft heartbeat all the time; what it runs for a step's quorum, trainer/lighthouse_front.py,
-the trainer's own quorum runs too). Files whose code only runs at import, and generated stubs
-(``v1/``), are not counted (call_recorder.py says what it cannot see). What ran only in those
-threads is printed apart.
+heartbeats (``membership``), the controller's REST API (``rest`` and its ``AnyIO worker thread``
+pool: this tool polls the status), its gRPC server (``controller-rpc``: the workers' Register
+and Heartbeat) and, in the torchft Lighthouse's process, all but what its front runs for a
+quorum (``ReplicaGate.check_quorum`` and what it calls: a step's Train joins one; the rest is
+the trainers' torchft heartbeats, forwarded all the time). Files whose code only runs at import,
+and generated stubs (``v1/``), are not counted (call_recorder.py says what it cannot see). What
+ran only in those threads is printed apart.
 
 The run differs from the defaults only where the walk needs it: the tiny model (made here, as
 the tests make it), three steps of 8 prompts of 4 samples of at most 16 tokens (what runs does
@@ -69,6 +69,8 @@ DOC = ROOT / "docs" / "architecture.md"
 STEP_START = "GrpoLoop.run_step_with_retries"
 STEP_END = "GrpoLoop.evaluate_after"
 SYNC = "StepParts.sync_weights"
+#: What the Lighthouse's front runs for a step's quorum (trainer/lighthouse_front.py).
+QUORUM = "ReplicaGate.check_quorum"
 LOOP_THREAD = "grpo-loop"
 #: Threads (by name prefix) and processes that serve no path (the module docstring says why).
 BACKGROUND = ("membership", "rest", "AnyIO worker thread", "controller-rpc", "walk-recorder")
@@ -123,7 +125,7 @@ def record_run(folder: Path, timeout: float = 900.0) -> list[dict[str, Any]]:
             "PYTHONPATH": os.pathsep.join([str(site), str(PACKAGE.parent)]),
             "WALK_RECORDER_DIR": str(records),
             "WALK_RECORDER_ROOT": str(PACKAGE),
-            "WALK_RECORDER_MARKERS": ",".join([STEP_START, STEP_END, SYNC]),
+            "WALK_RECORDER_MARKERS": ",".join([STEP_START, STEP_END, SYNC, QUORUM]),
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
@@ -173,6 +175,23 @@ def _windows(processes: list[dict[str, Any]]) -> tuple[list[tuple[float, float]]
     return steps, syncs
 
 
+def _calls(process: dict[str, Any], marker: str) -> dict[str, list[tuple[float, float]]]:
+    """thread → the (call, return) times of ``marker`` in ``process``."""
+    calls: dict[str, list[tuple[float, float]]] = {}
+    started: dict[str, float] = {}
+    for name, event, at, thread in process["marks"]:
+        if name == marker and event == "call":
+            started[thread] = at
+        elif name == marker and thread in started:
+            calls.setdefault(thread, []).append((started.pop(thread), at))
+    return calls
+
+
+def _overlaps(spans: list[float], windows: list[tuple[float, float]]) -> bool:
+    pairs = list(zip(spans[::2], spans[1::2], strict=True))
+    return any(s <= end and e >= start for start, end in windows for s, e in pairs)
+
+
 def _ran_in(
     processes: list[dict[str, Any]], window: tuple[float, float], background: bool = False
 ) -> dict[str, set[str]]:
@@ -182,13 +201,20 @@ def _ran_in(
     ran: dict[str, set[str]] = {}
     for process in processes:
         name = _process_name(process["argv"])
+        quorums = _calls(process, QUORUM)
         for relative, threads in process["spans"].items():
             for thread, spans in threads.items():
-                aside = name in BACKGROUND_PROCESSES or thread.startswith(BACKGROUND)
-                if aside != background:
-                    continue
-                pairs = zip(spans[::2], spans[1::2], strict=True)
-                if any(s <= end and e >= start for s, e in pairs):
+                if name in BACKGROUND_PROCESSES:
+                    # The Lighthouse: a quorum's check inside the window is on the path.
+                    windows = [
+                        (max(s, start), min(e, end))
+                        for s, e in quorums.get(thread, [])
+                        if s <= end and e >= start
+                    ]
+                    on_path = _overlaps(spans, windows)
+                else:
+                    on_path = not thread.startswith(BACKGROUND)
+                if on_path != background and _overlaps(spans, [window]):
                     ran.setdefault(relative, set()).add(f"{name}:{thread}")
     return ran
 
