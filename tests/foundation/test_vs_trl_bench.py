@@ -1,0 +1,161 @@
+"""bench/vs_trl_gpu.py's pure parts (docs/cuda.md, "A GPU run that learns"): its arguments, the
+runs it configures for each system, the prompts and settings TRL gets, its JSON rows, and the one
+held-out evaluation every system's final model goes through. The runs themselves need the GPU
+machine (CI has none)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import vs_trl_gpu
+from podrl.config import load_config
+from podrl.controller.records.evaluation import distinct_prompts
+from podrl.models.tiny import make_tiny_model
+from podrl.tasks import build_task_source
+
+
+def _recipe(**changes: object) -> dict[str, object]:
+    opts = vs_trl_gpu.Options(device="cpu", **changes)  # type: ignore[arg-type]
+    return vs_trl_gpu.recipe(opts)
+
+
+def test_the_arguments_name_systems_seeds_and_recipe_overrides() -> None:
+    opts = vs_trl_gpu.parse_args(
+        ["--systems", "podrl-sync,trl", "--seeds", "3,4", "--lr", "2e-5",
+         "--set", "trainer.clip_eps_high=0.28", "--set", "loop.sampling.n=4"]
+    )  # fmt: skip
+    assert opts.systems == ("podrl-sync", "trl") and opts.seeds == (3, 4)
+    assert opts.extra == {"trainer.clip_eps_high": 0.28, "loop.sampling.n": 4}
+    config = vs_trl_gpu.recipe(opts)
+    assert config["trainer"]["lr"] == 2e-5 and config["trainer"]["clip_eps_high"] == 0.28
+    assert config["loop"]["sampling"]["n"] == 4
+    defaults = vs_trl_gpu.parse_args([])
+    assert defaults.systems == tuple(vs_trl_gpu.SYSTEMS) and defaults.seeds == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--systems", "podrl-sync,verl"], ["--seeds", "0,x"], ["--set", "trainer.lr"],
+     ["--concurrency", "0"]],
+)  # fmt: skip
+def test_bad_arguments_are_refused_by_name(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        vs_trl_gpu.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_each_podrl_system_is_the_recipe_with_only_its_loop_mode_changed(tmp_path: Path) -> None:
+    base = _recipe()
+    loaded = {}
+    for system in ("podrl-sync", "podrl-async", "podrl-in-flight"):
+        config = vs_trl_gpu.podrl_config(base, system, 7, tmp_path / "warm", tmp_path / system)
+        path = tmp_path / f"{system}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        loaded[system] = load_config(path, env={})
+    sync, asyn, in_flight = loaded.values()
+    assert (sync.loop.mode, asyn.loop.mode, in_flight.loop.mode) == ("sync", "async", "async")
+    assert (asyn.loop.weight_apply, in_flight.loop.weight_apply) == (
+        "between_batches",
+        "in_flight",
+    )
+    for run in loaded.values():
+        assert run.loop.sample_seed == 7 and run.trainer.seed == 7
+        assert run.loop.export_at_end  # the shared evaluation reads the exported model
+        assert run.tasks == sync.tasks and run.loop.sampling == sync.loop.sampling
+        assert run.trainer.lr == sync.trainer.lr
+        assert run.trainer.warmup_steps == sync.trainer.warmup_steps
+    assert base["loop"]["sampling"]["temperature"] == sync.loop.sampling.temperature
+
+
+def test_trl_gets_podrls_prompts_in_order_and_its_settings(tmp_path: Path) -> None:
+    config = _recipe(steps=3)
+    prompts = vs_trl_gpu.training_prompts(config)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    source = build_task_source(load_config(path, env={}).tasks)
+    expected = [item.prompt for _ in range(3) for item in source.next_prompts(16)]
+    assert [p["prompt"] for p in prompts] == expected
+    settings = vs_trl_gpu.trl_settings(config, 5, vs_trl_gpu.Options())
+    trainer, sampling = config["trainer"], config["loop"]["sampling"]
+    assert settings["learning_rate"] == trainer["lr"]
+    assert settings["warmup_steps"] == trainer["warmup_steps"]
+    assert settings["lr_scheduler_type"] == "constant_with_warmup"  # podrl's schedule
+    assert settings["loss_type"] == trainer["loss_mode"]
+    assert settings["per_device_train_batch_size"] == 16 * sampling["n"]  # one step per batch
+    assert settings["num_generations"] == sampling["n"]
+    assert settings["temperature"] == sampling["temperature"]
+    assert settings["max_completion_length"] == sampling["max_tokens"]
+    assert settings["generation_kwargs"] == {"stop": sampling["stop"]}
+    assert not settings["shuffle_dataset"] and settings["seed"] == 5 and settings["max_steps"] == 3
+    assert settings["use_vllm"] and settings["vllm_mode"] == "colocate"
+
+
+def test_a_row_has_the_bench_figures_of_a_run() -> None:
+    row = vs_trl_gpu.row(
+        "podrl-async",
+        1,
+        rewards=[0.1] * 5 + [0.5] * 5 + [0.9] * 10,
+        step_ends=[100.0, 100.5, 101.0, 101.5, 102.0],
+        samples_per_step=128,
+        heldout_before=0.3,
+        heldout_after=0.6,
+        drift={"mismatch_kl": [0.001, 0.003], "update_ratio": [1e-3, None, 3e-3]},
+        exit_code=0,
+    )
+    assert list(row)[: len(vs_trl_gpu.ROW_KEYS)] == list(vs_trl_gpu.ROW_KEYS)
+    assert row["mode"] == "async" and row["seed"] == 1
+    assert row["s_per_step"] == 0.5 and row["samples_per_s"] == 256.0
+    assert row["reward_first5"] == 0.1 and row["reward_last10"] == 0.9
+    assert row["mismatch_kl_mean"] == 0.002 and row["mismatch_kl_max"] == 0.003
+    assert row["update_ratio_mean"] == 0.002 and row["exit_code"] == 0
+    trl = vs_trl_gpu.row(
+        "trl", 0, rewards=[], step_ends=[1.0], samples_per_step=128,
+        heldout_before=0.3, heldout_after=None,
+    )  # fmt: skip
+    assert trl["s_per_step"] is None and trl["mismatch_kl_mean"] is None
+    summary = vs_trl_gpu.summarise([row, {**row, "seed": 2, "heldout_after": 0.4}, trl])
+    assert summary["podrl-async"]["heldout_gain"] == 0.2
+    assert summary["podrl-async"]["seeds_gaining_0.2"] == 1
+    assert summary["trl"]["runs"] == 0
+
+
+def test_the_reward_is_the_tasks_reward_plan_and_passing_its_threshold() -> None:
+    score = vs_trl_gpu.reward_scorer(_recipe())
+    assert score("copy", "copy:abc=", "abc", "abc") == (1.0, True)
+    reward, passed = score("copy", "copy:abc=", "abd\nxyz", "abc")
+    assert reward == pytest.approx(0.5 * 2 / 3) and not passed
+
+
+def test_the_evaluation_asks_podrls_held_out_prompts(tmp_path: Path) -> None:
+    config = _recipe(eval_prompts=12)
+    items = vs_trl_gpu.eval_items(config)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    held_out = distinct_prompts(load_config(path, env={}).tasks, 12)
+    assert [i["prompt"] for i in items] == [i.prompt for i in held_out]
+
+
+def test_the_evaluation_answers_greedily_in_batches_as_one_prompt_at_a_time(
+    tmp_path: Path,
+) -> None:
+    model = make_tiny_model(tmp_path / "tiny")
+    score = vs_trl_gpu.reward_scorer(_recipe())
+    # Prompts of different lengths: a batch pads them, which must not change an answer.
+    items = [
+        {"prompt": f"copy:{text}=", "reference": text, "task": "copy"}
+        for text in ("ab", "cdef", "g", "hijklm", "nop", "abcdefgh")
+    ]
+    kwargs = {"max_tokens": 6, "stop": "\n", "device": "cpu"}
+    batched = vs_trl_gpu.evaluate(model, items, score, batch_size=4, **kwargs)
+    one = [vs_trl_gpu.evaluate(model, [i], score, **kwargs)["completions"][0] for i in items]
+    assert batched["completions"] == one
+    scored = [
+        score(i["task"], i["prompt"], c, i["reference"]) for i, c in zip(items, one, strict=True)
+    ]
+    assert batched["accuracy"] == round(sum(p for _, p in scored) / len(items), 4)
+    assert batched["reward_mean"] == pytest.approx(sum(r for r, _ in scored) / len(items), abs=1e-4)
