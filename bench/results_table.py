@@ -68,6 +68,23 @@ LAYOUTS: dict[str, Layout] = {
             ("target met", "/met"),
         ),
     ),
+    "vs_trl_gpu": Layout(
+        rows=("rows",),
+        columns=(
+            ("gpu", "/environment/gpu"),
+            ("shape", "/options/shape"),
+            ("system", "system"),
+            ("seed", "seed"),
+            ("s/step", "s_per_step"),
+            ("samples/s", "samples_per_s"),
+            ("reward first 5", "reward_first5"),
+            ("reward last 10", "reward_last10"),
+            ("held-out before", "heldout_before"),
+            ("held-out after", "heldout_after"),
+            ("mismatch KL (mean)", "mismatch_kl_mean"),
+            ("update ratio (mean)", "update_ratio_mean"),
+        ),
+    ),
     "cuda_grpo": Layout(
         rows=("runs",),
         columns=(

@@ -641,6 +641,7 @@ def run(opts: Options) -> dict[str, Any]:
     from bench import results_table
     from bench.cuda_grpo import GpuMemory
     from bench.run_env import pythonpath
+    from bench.vllm_cuda import environment  # torch and vLLM's worker extension: import late
 
     opts.work_dir.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = pythonpath()
@@ -658,6 +659,7 @@ def run(opts: Options) -> dict[str, Any]:
     results: dict[str, Any] = {
         **results_table.stamp(),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "environment": environment(opts.device),
         "recipe": config,
         "trl_settings": trl_settings(config, 0, opts),
         "preparation": preparation,
