@@ -110,6 +110,9 @@ class Options:
     run_timeout: float = 540.0
     extra: dict[str, Any] = field(default_factory=dict)
     """More dotted recipe overrides (``--set trainer.clip_eps_high=0.28``)."""
+    stagger_s: float = 0.0
+    """The first wave's runs start this many seconds apart, so they do not all write their
+    last checkpoint at the same moment."""
     prepare_only: bool = False
     """Make and warm-start the model, evaluate it, and stop (no runs)."""
 
@@ -524,6 +527,10 @@ def run_podrl(shared: Shared, system: str, seed: int) -> dict[str, Any]:
     figures = read_podrl_run(run_dir)
     export = run_dir / "export"
     after = shared.evaluate(export) if (export / "config.json").is_file() else None
+    # A run's last checkpoint (fp32 weights and AdamW state: 7.7 GB at 0.6B) and its export are
+    # read by nothing after this; a dozen of them would fill the GPU machine's disk.
+    for folder in ("checkpoints", "export"):
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
     return row(
         system,
         seed,
@@ -576,6 +583,7 @@ def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
     result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
     model = out / "model"
     after = shared.evaluate(model) if (model / "config.json").is_file() else None
+    shutil.rmtree(model, ignore_errors=True)
     return row(
         "trl",
         seed,
@@ -595,7 +603,8 @@ def _free_port() -> int:
     return free_ports(1)[0]
 
 
-def run_one(shared: Shared, system: str, seed: int) -> dict[str, Any]:
+def run_one(shared: Shared, system: str, seed: int, index: int = 0) -> dict[str, Any]:
+    time.sleep(shared.opts.stagger_s * min(index, shared.opts.concurrency - 1))
     try:
         if system == "trl":
             return run_trl(shared, seed)
@@ -667,10 +676,11 @@ def run(opts: Options) -> dict[str, Any]:
     }
     results["options"]["work_dir"] = "(the machine's temporary folder)"
     results["options"]["recipe"] = str(opts.recipe.relative_to(ROOT))
-    jobs = [] if opts.prepare_only else [(s, seed) for seed in opts.seeds for s in opts.systems]
+    # System by system, in --systems order, each over the seeds.
+    jobs = [] if opts.prepare_only else [(s, seed) for s in opts.systems for seed in opts.seeds]
     memory = GpuMemory()
     with memory, ThreadPoolExecutor(max_workers=opts.concurrency) as pool:
-        for done in pool.map(lambda job: run_one(shared, *job), jobs):
+        for done in pool.map(lambda job: run_one(shared, *job[1], job[0]), enumerate(jobs)):
             results["rows"].append(done)
             results["summary"] = summarise(results["rows"])
             results["gpu_memory_peak_mib"] = memory.peak_mib or None
@@ -699,6 +709,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--kv-cache-gib", type=float, default=Options.kv_cache_gib)
     parser.add_argument("--trl-memory-fraction", type=float, default=Options.trl_memory_fraction)
     parser.add_argument("--trl-generation", default="vllm", choices=("vllm", "transformers"))
+    parser.add_argument("--stagger", type=float, default=0.0, help="seconds between starts")
     parser.add_argument("--label", default="", help="prefix of the runs' folders and logs")
     parser.add_argument("--work-dir", type=Path, default=Options.work_dir)
     parser.add_argument("--run-timeout", type=float, default=Options.run_timeout)
@@ -731,7 +742,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         concurrency=args.concurrency, kv_cache_gib=args.kv_cache_gib,
         trl_memory_fraction=args.trl_memory_fraction, trl_generation=args.trl_generation,
         label=args.label, work_dir=args.work_dir, out=args.out, run_timeout=args.run_timeout,
-        extra=extra, prepare_only=args.prepare_only,
+        extra=extra, prepare_only=args.prepare_only, stagger_s=args.stagger,
     )  # fmt: skip
 
 
