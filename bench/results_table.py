@@ -73,6 +73,10 @@ LAYOUTS: dict[str, Layout] = {
         columns=(
             ("gpu", "/environment/gpu"),
             ("shape", "/options/shape"),
+            ("variant", "variant"),
+            ("warm-start steps", "warm_steps|/options/warm_steps"),
+            ("lr", "lr|/recipe/trainer/lr"),
+            ("temperature", "temperature|/recipe/loop/sampling/temperature"),
             ("system", "system"),
             ("seed", "seed"),
             ("s/step", "s_per_step"),
@@ -81,6 +85,7 @@ LAYOUTS: dict[str, Layout] = {
             ("reward last 10", "reward_last10"),
             ("held-out before", "heldout_before"),
             ("held-out after", "heldout_after"),
+            ("podrl's own evaluation after", "podrl_eval_after"),
             ("mismatch KL (mean)", "mismatch_kl_mean"),
             ("update ratio (mean)", "update_ratio_mean"),
         ),
