@@ -15,7 +15,7 @@ trains on, scored with the task's rewards, accuracy = share at the task's pass_t
 Systems (``--systems``): ``podrl-sync``, ``podrl-async`` (``loop.mode: async``,
 ``max_staleness: 1``, the decoupled objective by default), ``podrl-in-flight`` (async with
 ``loop.weight_apply: in_flight``), ``trl``. Each runs once per seed (``--seeds``): the seed is
-podrl's ``loop.sample_seed`` and ``trainer.seed``, TRL's ``seed``. Runs go ``--concurrency`` at
+podrl's ``loop.sampling.seed`` and ``trainer.seed``, TRL's ``seed``. Runs go ``--concurrency`` at
 a time on the one GPU (small KV caches and vLLM memory fractions), so 3 seeds x 4 systems fit in
 one 10-minute device call.
 
@@ -162,7 +162,8 @@ def podrl_config(
     config["log"] = {"format": "text"}
     config["tracking"] = {"tensorboard": False}
     config["controller"] = {"max_worker_pods": 1}  # one pod: no Lighthouse
-    config["loop"].update(sample_seed=seed, export_at_end=True, checkpoint_every=0)
+    config["loop"].update(export_at_end=True, checkpoint_every=0)
+    config["loop"]["sampling"]["seed"] = seed
     config["trainer"].update(model_path=str(model), seed=seed)
     config["generator"]["model_path"] = str(model)
     if system in ("podrl-async", "podrl-in-flight"):
@@ -192,8 +193,8 @@ def reward_scorer(config: dict[str, Any]) -> Any:
     """``score(task, prompt, completion, reference) -> (reward, passed)`` with the task's
     reward plan (the grader's own code) and its pass_threshold."""
     from podrl.config import RunConfig
-    from podrl.grader.rewards.plan import ItemInput, score_with_plan
     from podrl.grader.rewards.registry import build_reward_plans
+    from podrl.grader.rewards.scoring import ItemInput, score_with_plan
 
     run = RunConfig.model_validate(config)
     plans = build_reward_plans(run.tasks, run.grader)

@@ -64,7 +64,7 @@ def test_each_podrl_system_is_the_recipe_with_only_its_loop_mode_changed(tmp_pat
         "in_flight",
     )
     for run in loaded.values():
-        assert run.loop.sample_seed == 7 and run.trainer.seed == 7
+        assert run.loop.sampling.seed == 7 and run.trainer.seed == 7
         assert run.loop.export_at_end  # the shared evaluation reads the exported model
         assert run.tasks == sync.tasks and run.loop.sampling == sync.loop.sampling
         assert run.trainer.lr == sync.trainer.lr
