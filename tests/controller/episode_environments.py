@@ -36,3 +36,19 @@ class Scripted(Environment):
             done=done,
             tool_calls=1,
         )
+
+
+class Parity(Scripted):
+    """``Scripted`` whose final reward is the parity of the first action's length, so a
+    group of episodes has reward variance and trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = ""
+
+    def step(self, action: str) -> StepResult:
+        self.first = self.first or action
+        result = super().step(action)
+        if result.done:
+            return StepResult(result.observation, reward=len(self.first) % 2, done=True)
+        return result

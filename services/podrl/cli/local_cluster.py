@@ -44,6 +44,18 @@ log = logging.getLogger(__name__)
 
 SERVICES = ("controller", "generator", "grader", "trainer")
 POD_SERVICES = ("generator", "grader", "trainer")
+#: gRPC service names that are not ``podrl.v1.<Name>`` of the process's name.
+GRPC_SERVICES = {"environments": "podrl.v1.Environment"}
+
+
+def pod_services(config: RunConfig) -> tuple[str, ...]:
+    """The processes of a local pod: the environment service too when a task names an
+    environment (the step plays that task's episodes on it)."""
+    if any(task.environment is not None for task in config.tasks.definitions):
+        return (*POD_SERVICES, "environments")
+    return POD_SERVICES
+
+
 WORKER_ID = "local-0"
 #: A pod's process is started again at most this many times in a run.
 MAX_RESTARTS = 5
@@ -102,7 +114,8 @@ class Child:
 
     @property
     def grpc_service(self) -> str:
-        return f"podrl.v1.{(self.service or self.name).capitalize()}"
+        name = self.service or self.name
+        return GRPC_SERVICES.get(name, f"podrl.v1.{name.capitalize()}")
 
     def exit_description(self) -> str:
         code = self.process.returncode
@@ -159,6 +172,14 @@ class LocalCluster:
                 f"--pods {initial}: between 1 and controller.max_worker_pods "
                 f"({config.controller.max_worker_pods}); raise max_worker_pods for more"
             )
+        self.pod_services = pod_services(config)
+        if "environments" in self.pod_services and initial > 1:
+            # The controller finds a pod's environment service at environments.grpc_port on
+            # its generator's host: one per host (a second local pod's would find it in use).
+            raise ValueError(
+                f"--pods {initial}: a task names an environment, and locally only one pod can "
+                "run the environment service (at environments.grpc_port); start one pod"
+            )
         controller_grpc, http, lighthouse = free_ports(3, host)
         self.controller_ports = {"grpc": controller_grpc, "http": http, "lighthouse": lighthouse}
         self.overrides = {
@@ -173,7 +194,7 @@ class LocalCluster:
             self.overrides["PODRL_TRAINER__REPLICATION__LIGHTHOUSE_ADDRESS"] = (
                 f"{host}:{lighthouse}"
             )
-        for name in SERVICES:
+        for name in (*SERVICES, "environments"):
             self.overrides[f"PODRL_{name.upper()}__BIND_HOST"] = host
             self.overrides[f"PODRL_{name.upper()}__ADVERTISE_HOST"] = host
         self.log_dir = config.run_dir / "logs"
@@ -310,6 +331,15 @@ class LocalCluster:
         env["PODRL_TRAINER__GRPC_PORT"] = str(ports["trainer"])
         if service in ("trainer", "generator"):
             env[WEIGHTS_KEY_FILE_ENV] = str(self.weights_key_file(ordinal))
+        # The environment service listens where the controller looks for it (its metrics
+        # port off: one fixed port per host is enough to collide with).
+        env["PODRL_ENVIRONMENTS__GRPC_PORT"] = str(self.config.environments.grpc_port)
+        env["PODRL_ENVIRONMENTS__METRICS_PORT"] = "0"
+        address = (
+            f"{self.host}:{self.config.environments.grpc_port}"
+            if service == "environments"
+            else f"{self.host}:{ports[service]}"
+        )
         folder = self.log_dir if ordinal == 0 else self.log_dir / pod_name(ordinal)
         log_path = folder / f"{service}.log"
         cmd = [sys.executable, "-m", f"podrl.{service}", *self._config_args()]
@@ -318,7 +348,7 @@ class LocalCluster:
             name,
             self._popen(cmd, env, log_path),
             log_path,
-            f"{self.host}:{ports[service]}",
+            address,
             service,
             ordinal,
             restarts,
@@ -333,7 +363,7 @@ class LocalCluster:
         key_file.parent.mkdir(mode=0o700, exist_ok=True)
         _write_private(key_file, secrets.token_hex(32))
         pod = LocalPod(ordinal, self._ports_of(ordinal))
-        pod.children = {s: self._spawn_service(ordinal, s) for s in POD_SERVICES}
+        pod.children = {s: self._spawn_service(ordinal, s) for s in self.pod_services}
         self.pods[ordinal] = pod
         return pod
 
