@@ -50,5 +50,6 @@ class Parity(Scripted):
         self.first = self.first or action
         result = super().step(action)
         if result.done:
-            return StepResult(result.observation, reward=len(self.first) % 2, done=True)
+            reward = len(self.first) % 2
+            return StepResult(result.observation, reward, done=True, tool_calls=result.tool_calls)
         return result

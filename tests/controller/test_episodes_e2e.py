@@ -76,6 +76,10 @@ def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path) -
         cluster.stop(grace=30, controller_first=True)
     assert status["phase"] == "finished", status.get("error")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for record in steps:  # two prompts x four episodes of three turns, one tool call each
+        assert record["metrics"]["episodes"] == 8
+        assert record["metrics"]["episode_turns_mean"] == TURNS
+        assert record["metrics"]["tool_calls"] == 8 * TURNS
     trained = [s["metrics"] for s in steps if s["metrics"]["trained"]]
     assert trained, steps
     for metrics in trained:

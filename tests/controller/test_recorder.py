@@ -16,6 +16,7 @@ from podrl.controller.records.recorder import (
     RunStore,
     StepRecord,
     StepRecorder,
+    episode_figures,
 )
 from podrl.controller.service.status import RunState
 from podrl.controller.step.batch import StepSamples
@@ -119,3 +120,17 @@ def test_an_episodes_row_in_samples_jsonl_carries_its_turns(recorder: StepRecord
     rows = [json.loads(line) for line in recorder.samples.path.read_text().splitlines()]
     assert rows[0]["turns"] == [turn]
     assert "turns" not in rows[1]
+
+
+def test_a_steps_episode_figures_sum_its_turns() -> None:
+    data = StepSamples(items=[])
+    assert episode_figures(data) == {}  # a single-turn step's record is as it was
+    turn = {"tool_calls": 1, "tool_errors": 0, "environment_seconds": 0.25}
+    data.turns = {"t/0#0": [turn, {**turn, "tool_errors": 1}], "t/0#1": [turn]}
+    assert episode_figures(data) == {
+        "episodes": 2,
+        "episode_turns_mean": 1.5,
+        "tool_calls": 3,
+        "tool_errors": 1,
+        "environment_seconds_mean": 0.25,
+    }

@@ -113,6 +113,25 @@ def train_figures(
     return figures
 
 
+def episode_figures(data: StepSamples) -> dict[str, Any]:
+    """A step's multi-turn figures: its episodes, their turns, tool calls and failed tool
+    calls, and the environment's time per turn (none for a step without episodes). Failed
+    episodes count among the score errors (``SCORE_ERROR_ENVIRONMENT``)."""
+    episodes = list(data.turns.values())
+    turns = [turn for episode in episodes for turn in episode]
+    if not episodes:
+        return {}
+    return {
+        "episodes": len(episodes),
+        "episode_turns_mean": len(turns) / len(episodes),
+        "tool_calls": sum(turn["tool_calls"] for turn in turns),
+        "tool_errors": sum(turn["tool_errors"] for turn in turns),
+        "environment_seconds_mean": (
+            sum(turn["environment_seconds"] for turn in turns) / len(turns) if turns else None
+        ),
+    }
+
+
 def _turns(turns: list[dict[str, Any]] | None) -> dict[str, Any]:
     """A multi-turn episode's row gets its turns (each turn's action and the environment's
     reply); a single-turn sample's row is as it was."""
@@ -249,6 +268,7 @@ class StepRecorder:
             "sync_seconds_by_pod": {
                 pod: round(seconds, 4) for pod, seconds in (sync_seconds or {}).items()
             },
+            **episode_figures(data),
         }
         if outcome is not None:
             figures["batch_id"] = batch_id

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,15 +144,10 @@ class EpisodeRunner:
         generator: generator_pb2_grpc.GeneratorStub,
         environment: environment_pb2_grpc.EnvironmentStub,
         settings: EpisodeSettings,
-        on_turn: Callable[[Turn], None] | None = None,
     ) -> None:
         self.generator = generator
         self.environment = environment
         self.settings = settings
-        self.on_turn = on_turn
-        self._lock = threading.Lock()
-        self.in_flight = 0
-        """Episodes running now (the status reads it)."""
 
     def run(
         self,
@@ -184,8 +178,6 @@ class EpisodeRunner:
     ) -> EpisodeOutcome:
         """One episode, start to end; the environment's session is closed whatever happens."""
         outcome = EpisodeOutcome(episode_id=episode_id, prompt_id=item.id, index=index)
-        with self._lock:
-            self.in_flight += 1
         try:
             self._play(item, outcome, seed)
         except _EnvironmentFailedError as err:
@@ -194,8 +186,6 @@ class EpisodeRunner:
             outcome.error = f"episode: {err}"
 
         finally:
-            with self._lock:
-                self.in_flight -= 1
             # A session the service dropped (failed, idle) is gone already.
             with contextlib.suppress(grpc.RpcError):
                 self.environment.Close(
@@ -257,8 +247,6 @@ class EpisodeRunner:
                 environment_seconds=seconds,
             )
             outcome.turns.append(turn)
-            if self.on_turn is not None:
-                self.on_turn(turn)
             if reply.done:
                 outcome.ended = "truncated" if reply.truncated else "done"
                 return
@@ -383,8 +371,6 @@ class EpisodePhases(WorkerPhases):
         super().__init__(clients, pool, table)
         self.tasks = {task.name: task for task in tasks if task.environment is not None}
         self.environments = environments
-        self.runners: list[EpisodeRunner] = []
-        """The runners playing now (the status sums their episodes in flight)."""
 
     def generate(
         self,
@@ -431,14 +417,11 @@ class EpisodePhases(WorkerPhases):
 
         def play(pod: Pod, task: str, chunk: list[PromptItem]) -> None:
             runner = self._runner(pod, self.tasks[task], sampling)
-            self.runners.append(runner)
             try:
                 outcomes = runner.run(chunk, sampling.n, step, seeds)
             except GenerateFailedError as err:
                 # As a failed Generate: the attempt fails and the step is retried.
                 raise StepFailedError("generate", f"pod {pod.id}: {err}") from err
-            finally:
-                self.runners.remove(runner)
             for item in chunk:
                 data.pod_of[item.id] = pod.id
                 data.samples[item.id] = [episode_sample(o) for o in outcomes[item.id]]
@@ -501,7 +484,3 @@ class EpisodePhases(WorkerPhases):
         )
         super().score(part, pods)
         data.scores.update(part.scores)
-
-    @property
-    def episodes_in_flight(self) -> int:
-        return sum(runner.in_flight for runner in list(self.runners))
