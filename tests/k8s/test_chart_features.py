@@ -677,3 +677,45 @@ def test_notes_print_the_next_commands_and_how_to_scale() -> None:
     single = " ".join(helm_notes({"runConfig": {"controller": {"max_worker_pods": 1}}}).split())
     assert "Scaling is off: runConfig.controller.max_worker_pods is 1" in single
     assert "-c lighthouse" not in single
+
+
+# ---- the environment service ----------------------------------------------------------------
+
+EPISODE_TASKS = {
+    "runConfig": {
+        "tasks": {
+            "definitions": [
+                {
+                    "name": "products",
+                    "source": {"kind": "procedural", "generator": "add"},
+                    "rewards": [{"name": "exact_match"}],
+                    "environment": "calculator",
+                    "turn_stop": ["</calc>"],
+                }
+            ]
+        }
+    },
+    "networkPolicy": {"enabled": True},
+}
+
+
+def test_a_task_naming_an_environment_adds_the_environment_container() -> None:
+    """The controller plays a pod's episodes on its environment service at
+    environments.grpc_port beside the generator: the container runs the grader's image, its
+    probes ask podrl.v1.Environment, and the controller may reach its port; a run without
+    such a task has no such container."""
+    assert "environments" not in [c["name"] for c in worker_pod(render({}))["containers"]]
+    objects = render(EPISODE_TASKS)
+    pod = worker_pod(objects)
+    environments, grader = container(pod, "environments"), container(pod, "grader")
+    assert environments["image"] == grader["image"]
+    assert environments["command"][0] == "podrl-environments"
+    assert environments["ports"][0]["containerPort"] == 50054
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert environments[probe]["grpc"] == {"port": 50054, "service": "podrl.v1.Environment"}
+    assert env_map(environments, FIELDS)["PODRL_ENVIRONMENTS__BIND_HOST"] == "0.0.0.0"
+    assert "tmp-environments" in [v["name"] for v in pod["volumes"]]
+    labels = _pod_labels(objects)
+    assert _allowed(_policies(objects), labels["controller"], labels["worker"], 50054)
+    assert not _allowed(_policies(objects), {"app": "stranger"}, labels["worker"], 50054)
+    assert validation_error(find(objects, "StatefulSet"), "1.35.0") is None

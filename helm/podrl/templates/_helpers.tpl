@@ -101,14 +101,27 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* gRPC port of a service from runConfig, falling back to podrl's defaults. */}}
 {{- define "podrl.grpcPort" -}}
-{{- $defaults := dict "controller" 50050 "generator" 50051 "grader" 50052 "trainer" 50053 -}}
+{{- $defaults := dict "controller" 50050 "generator" 50051 "grader" 50052 "trainer" 50053 "environments" 50054 -}}
 {{- $section := get .root.Values.runConfig .service | default dict -}}
 {{- get $section "grpc_port" | default (get $defaults .service) | int -}}
 {{- end -}}
 
+{{/* The worker pod's services as a JSON list: trainer, generator and grader, and the
+environment service when a task of runConfig names an environment (the controller plays its
+episodes on it at environments.grpc_port on the generator's host, docs/environments.md). */}}
+{{- define "podrl.workerServices" -}}
+{{- $services := list "trainer" "generator" "grader" -}}
+{{- $episodes := false -}}
+{{- range (dig "tasks" "definitions" list .Values.runConfig) -}}
+{{- if .environment -}}{{- $episodes = true -}}{{- end -}}
+{{- end -}}
+{{- if $episodes -}}{{- $services = append $services "environments" -}}{{- end -}}
+{{- toJson $services -}}
+{{- end -}}
+
 {{/* Prometheus port of a worker service from runConfig (0 = off). */}}
 {{- define "podrl.metricsPort" -}}
-{{- $defaults := dict "generator" 9101 "grader" 9102 "trainer" 9103 -}}
+{{- $defaults := dict "generator" 9101 "grader" 9102 "trainer" 9103 "environments" 9104 -}}
 {{- $section := get .root.Values.runConfig .service | default dict -}}
 {{- if hasKey $section "metrics_port" -}}
 {{- get $section "metrics_port" | int -}}
