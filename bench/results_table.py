@@ -153,6 +153,26 @@ LAYOUTS: dict[str, Layout] = {
             ("round trip ms, idle generator", "/idle_round_trip_ms_median"),
         ),
     ),
+    "sampling_seed": Layout(
+        columns=(
+            ("device", "device"),
+            ("model", "model"),
+            ("batch-invariant kernels", "vllm_batch_invariant"),
+            ("prompts", "prompts"),
+            ("n", "n"),
+            ("max tokens", "max_tokens"),
+            ("temperature", "temperature"),
+            ("identical, same batch", "same_batch/identical_fraction"),
+            ("identical, split over two batches", "other_batch/identical_fraction"),
+            (
+                "first difference (median token), same batch",
+                "same_batch/first_difference_median_token",
+            ),
+            ("first difference, two batches", "other_batch/first_difference_median_token"),
+            ("tokens/s seeded", "seeded_tokens_per_s"),
+            ("tokens/s unseeded", "unseeded_tokens_per_s"),
+        ),
+    ),
     "scaling": Layout(
         rows=("rows",),
         columns=(

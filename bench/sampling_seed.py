@@ -78,6 +78,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from bench import results_table
     from bench.vllm_cuda import SHAPES, make_model_folder
     from podrl.controller.step.pod_calls import prompt_seed
 
@@ -132,6 +133,7 @@ def main() -> int:
         _, unseeded_s = run(everything, seeded=False)
         tokens = args.prompts * args.n * args.max_tokens
         results = {
+            **results_table.stamp(),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "vllm_batch_invariant": args.batch_invariant,
             "model": args.model or f"random-init Qwen3 {args.shape}",
@@ -147,6 +149,7 @@ def main() -> int:
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
+        results_table.update("sampling_seed", args.out)
     return 0
 
 
