@@ -137,3 +137,15 @@ def test_slim_images_pull_no_torch(extra: str) -> None:
 def test_the_trainer_extra_does_pull_torch() -> None:
     """The same walk finds torch where it belongs (the check above can fail)."""
     assert "torch" in requirement_closure(metadata.requires("podrl") or [], {"trainer"})
+
+
+def test_ci_runs_the_container_tests_that_fit_its_time() -> None:
+    """README: CI installs podman and runc when missing, builds the base and controller images
+    and runs the container tests that are not slow; the played pods stay with `make
+    test-containers` (the four images take about 35 minutes more)."""
+    text = (REPO_ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^for tool in .*\bpodman\b.*\brunc\b.*\bmmdebstrap\b", text, re.MULTILINE)
+    assert "make base-image\n" in text
+    assert re.search(r"make images VARIANT=cpu IMAGES=controller PYTHON_IMAGE=\S+", text)
+    assert "pytest -m 'containers and not slow'" in text
+    assert "pytest -m containers -p no:xdist" in (REPO_ROOT / "Makefile").read_text()
