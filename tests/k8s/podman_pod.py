@@ -19,6 +19,10 @@ before it is played:
   one in use there); in a cluster they only name ports, and the test reaches the pod IP.
 - Probes: podman 4.3 does not run ``grpc:`` probes; :func:`probe` runs the same gRPC health
   check from the host against the pod IP, as the kubelet does from the node.
+- Stopping: :func:`stop_pod` sends SIGTERM to each container's main process and stops the
+  infra container last, as the kubelet stops the sandbox after the containers (``podman pod
+  stop`` alone stops the infra container with them, and in a pod that shares its PID namespace
+  the infra's exit kills every process there before it drains).
 """
 
 from __future__ import annotations
@@ -166,6 +170,20 @@ def create_volume(name: str, memory: bool, image: str) -> None:
 def play(pod: dict[str, Any], path: Path, network: str, ip: str) -> None:
     path.write_text(yaml.safe_dump(pod, sort_keys=False))
     podman("kube", "play", "--network", network, "--ip", ip, str(path))
+
+
+def stop_pod(pod: str, containers: list[str], grace: int) -> None:
+    """Stop ``pod`` as the kubelet does: SIGTERM to the main process of each of its
+    ``containers``, SIGKILL to what outlives ``grace`` seconds, then the pod's own infra
+    container. Not ``podman stop``: in a pod that shares its PID namespace, podman 4.3 signals
+    every process of the namespace for each container it stops, so a service that drained got
+    a second signal, or a SIGKILL, from its neighbours' stops."""
+    podman("kill", "--signal", "TERM", *containers)
+    try:
+        podman("wait", *containers, timeout=grace)
+    except subprocess.TimeoutExpired:
+        podman("kill", "--signal", "KILL", *containers, check=False)
+    podman("pod", "stop", "-t", str(grace), pod, timeout=grace + 60)
 
 
 def inspect(container: str) -> dict[str, Any]:
