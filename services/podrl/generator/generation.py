@@ -106,7 +106,10 @@ class Generation:
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """``text``'s ids; ``special=False`` adds no special tokens (a text inside an episode)."""
-        return list(self._engine.get_tokenizer().encode(text, add_special_tokens=special))
+        tokenizer = self._engine.get_tokenizer()
+        if special:
+            return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def generate(
         self,
