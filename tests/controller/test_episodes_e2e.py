@@ -31,7 +31,8 @@ def _status(cluster: LocalCluster) -> dict[str, Any]:
         return {}
 
 
-def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path, mode: str) -> None:
     config = {
         "name": "episodes",
         "run_dir": str(tmp_path / "run"),
@@ -53,6 +54,7 @@ def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path) -
             ]
         },
         "loop": {
+            "mode": mode,
             "steps": STEPS,
             "prompts_per_step": 2,
             "sampling": {"n": 4, "max_tokens": 6, "temperature": 1.0},
@@ -85,7 +87,8 @@ def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path) -
     for metrics in trained:
         # The trainer compares its logprobs with the generator's on sampled tokens only: a
         # reply token (the generator's 0.0 stands there) would differ by its whole logprob.
-        assert metrics["logprob_diff_max"] < 0.01, metrics
+        # (Async: a batch may be one version stale, so the two policies differ a little.)
+        assert metrics["logprob_diff_max"] < (0.01 if mode == "sync" else 0.5), metrics
     rows = [
         json.loads(line) for line in (loaded.run_dir / "samples.jsonl").read_text().splitlines()
     ]
