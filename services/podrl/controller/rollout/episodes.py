@@ -184,7 +184,6 @@ class EpisodeRunner:
             outcome.error = str(err)
         except EpisodeError as err:  # the prompt or a turn does not fit the episode's tokens
             outcome.error = f"episode: {err}"
-
         finally:
             # A session the service dropped (failed, idle) is gone already.
             with contextlib.suppress(grpc.RpcError):
@@ -291,7 +290,8 @@ class EpisodeRunner:
             raise GenerateFailedError(f"Tokenize: {describe_rpc_error(err)}") from err
         return list(reply.tokens[0].ids)
 
-    def _environment(self, method: str, request: object) -> object:
+    def _environment(self, method: str, request: object) -> Any:
+        """``method``'s reply; a failed call fails the episode (``_EnvironmentFailedError``)."""
         try:
             return getattr(self.environment, method)(request, timeout=self.settings.timeout_seconds)
         except grpc.RpcError as err:
