@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from podrl.config.loop import LoopConfig
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.rollout.producer import (
     RolloutProducer,
@@ -17,6 +18,8 @@ from podrl.controller.rollout.producer import (
 )
 from podrl.controller.step.batch import StepSamples
 from podrl.controller.step_errors import RunFailedError, StepFailedError
+
+POLL = LoopConfig().stop_poll_seconds
 
 
 def test_the_bound_lets_the_producer_run_max_staleness_steps_ahead() -> None:
@@ -44,7 +47,7 @@ def test_the_producer_makes_steps_in_order_never_beyond_the_bound(max_staleness:
         return _batch(step)
 
     producer = RolloutProducer(
-        produce, _scored, max_staleness=max_staleness, last_step=8, stopped=bool
+        produce, _scored, max_staleness=max_staleness, last_step=8, stopped=bool, poll_seconds=POLL
     )
     producer.start(1)
     try:
@@ -74,7 +77,9 @@ def test_a_failed_batch_is_handed_over_and_made_again_only_when_asked() -> None:
             return ScoredBatch(step, failed.data, failed.position_before, failed.position_after)
         return _batch(step)
 
-    producer = RolloutProducer(produce, _scored, max_staleness=2, last_step=3, stopped=bool)
+    producer = RolloutProducer(
+        produce, _scored, max_staleness=2, last_step=3, stopped=bool, poll_seconds=POLL
+    )
     producer.start(1)
     try:
         assert producer.take(1) is not None
@@ -109,7 +114,9 @@ def test_a_batch_scores_while_the_next_one_generates() -> None:
             overlapped.append(generating_2.wait(5))
         batch.seconds["score"] = 0.0
 
-    producer = RolloutProducer(generate, score, max_staleness=1, last_step=2, stopped=bool)
+    producer = RolloutProducer(
+        generate, score, max_staleness=1, last_step=2, stopped=bool, poll_seconds=POLL
+    )
     producer.start(1)
     try:
         first = producer.take(1)
@@ -139,7 +146,9 @@ def test_a_failed_score_is_handed_over_and_the_step_made_again_with_its_prompts(
         if scored == [1]:
             batch.error = StepFailedError("score", "injected")
 
-    producer = RolloutProducer(generate, score, max_staleness=2, last_step=3, stopped=bool)
+    producer = RolloutProducer(
+        generate, score, max_staleness=2, last_step=3, stopped=bool, poll_seconds=POLL
+    )
     producer.start(1)
     try:
         with pytest.raises(StepFailedError, match="injected"):
@@ -164,14 +173,21 @@ def test_a_producer_that_crashes_fails_the_run_and_a_stop_ends_the_wait() -> Non
     def crash(step: int, failed: ScoredBatch | None) -> ScoredBatch:
         raise RuntimeError("the source broke")
 
-    producer = RolloutProducer(crash, _scored, max_staleness=1, last_step=3, stopped=bool)
+    producer = RolloutProducer(
+        crash, _scored, max_staleness=1, last_step=3, stopped=bool, poll_seconds=POLL
+    )
     producer.start(1)
     with pytest.raises(RunFailedError, match="the source broke"):
         producer.take(1)
     producer.close()
     stop = threading.Event()
     idle = RolloutProducer(
-        lambda s, f: _batch(s), _scored, max_staleness=0, last_step=3, stopped=stop.is_set
+        lambda s, f: _batch(s),
+        _scored,
+        max_staleness=0,
+        last_step=3,
+        stopped=stop.is_set,
+        poll_seconds=POLL,
     )
     idle.start(1)
     assert idle.take(1) is not None
@@ -181,7 +197,7 @@ def test_a_producer_that_crashes_fails_the_run_and_a_stop_ends_the_wait() -> Non
 
 
 def test_the_gate_lets_the_loop_in_before_the_producer_starts_another_batch() -> None:
-    gate = GeneratorGate()
+    gate = GeneratorGate(POLL)
     order: list[str] = []
     first_batch = threading.Event()
 
@@ -207,7 +223,7 @@ def test_the_gate_lets_the_loop_in_before_the_producer_starts_another_batch() ->
 
 
 def test_the_loop_side_of_the_gate_is_shared_by_its_threads_and_excludes_the_producer() -> None:
-    gate = GeneratorGate()
+    gate = GeneratorGate(POLL)
     both_in = threading.Barrier(3, timeout=5)
     order: list[str] = []
 

@@ -38,6 +38,14 @@ class ControllerConfig(ServiceSection):
         description="The most worker pods PUT /v1/workers/replicas and podrl scale may ask for "
         "(a larger count is refused with 422).",
     )
+    loop_call_threads: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Threads of the loop's calls to the worker pods (each phase sends one "
+        "call per pod at once: Generate, Score, Train, ApplyWeights): a step with more pods "
+        "than this sends the rest as threads free up.",
+    )
 
     @model_validator(mode="after")
     def _check_pod_counts(self) -> ControllerConfig:

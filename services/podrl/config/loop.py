@@ -162,6 +162,13 @@ class LoopConfig(Section):
     workers_timeout_seconds: float = Field(
         600.0, gt=0, description="How long a step waits for enough healthy worker pods."
     )
+    stop_poll_seconds: float = Field(
+        0.2,
+        gt=0,
+        le=10,
+        description="async only: how often the producer, and the loop waiting for its "
+        "batches, look at the run's stop flag; a stop is noticed within this long.",
+    )
     eval_prompts: int = Field(
         0,
         ge=0,

@@ -43,6 +43,14 @@ class ReplicationConfig(Section):
         description="How long one Train waits for the quorum of the step's pods (retries "
         "included) before it answers ABORTED.",
     )
+    quorum_retry_seconds: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="A quorum that misses a pod of the step is asked for again after this "
+        "pause, doubled at each attempt up to 1 s: shorter finds a late pod sooner, at more "
+        "calls to the Lighthouse while pods start.",
+    )
     join_timeout_seconds: float = Field(
         5.0,
         ge=0,

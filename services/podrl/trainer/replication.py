@@ -60,9 +60,6 @@ from podrl.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
-# A quorum that misses a pod is asked for again after this pause (doubling up to 1 s).
-QUORUM_RETRY_SECONDS = 0.1
-
 
 class ReplicaStepError(RuntimeError):
     """This step cannot be trained across the pods (a peer failed or refused, the quorum
@@ -363,7 +360,7 @@ class CrossPodReplica:
             float(request.global_completion_tokens or tokens),
             float(request.pods),
         )
-        pause = QUORUM_RETRY_SECONDS
+        pause = self.settings.quorum_retry_seconds
         attempt = 0
         # The last quorum refused for a replica of another pod: a later failure (the quorum
         # call timing out) is most likely still that replica's doing.

@@ -16,9 +16,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-#: How often a waiting producer looks at its stop flag.
-_POLL_SECONDS = 0.2
-
 
 class GeneratorGate:
     """Who may use the generators: the producer alone, for one batch; or the loop (first in
@@ -26,7 +23,10 @@ class GeneratorGate:
     several of its threads at once (a sync applies to every pod's generator in parallel, and
     an align inside an evaluation's hold may apply one), never together with the producer."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll_seconds: float) -> None:
+        """``poll_seconds``: how often a waiting producer looks at its stop flag
+        (``loop.stop_poll_seconds``)."""
+        self._poll_seconds = poll_seconds
         self._cond = threading.Condition()
         self._producer_holds = False
         self._loop_holders = 0
@@ -42,7 +42,7 @@ class GeneratorGate:
         acquired = False
         with self._cond:
             while taken() and not stopped():
-                self._cond.wait(_POLL_SECONDS)
+                self._cond.wait(self._poll_seconds)
             if not taken():
                 self._producer_holds = acquired = True
         if not acquired:

@@ -37,9 +37,6 @@ from podrl.controller.step_errors import RunFailedError, StepFailedError
 
 log = logging.getLogger(__name__)
 
-#: How often waits look at the stop flags.
-_POLL_SECONDS = 0.2
-
 
 def may_start(step: int, steps_done: int, max_staleness: int) -> bool:
     """The producer may start the batch of ``step`` once ``steps_done`` steps are done: at most
@@ -84,12 +81,15 @@ class RolloutProducer:
         max_staleness: int,
         last_step: int,
         stopped: Callable[[], bool],
+        poll_seconds: float,
     ) -> None:
+        """``poll_seconds``: how often waits look at the stop flags (``loop.stop_poll_seconds``)."""
         self._generate = generate
         self._score = score
         self._k = max_staleness
         self._last_step = last_step
         self._stopped = stopped
+        self._poll_seconds = poll_seconds
         self._closed = threading.Event()
         self._cond = threading.Condition()
         self._ready: dict[int, ScoredBatch] = {}
@@ -132,7 +132,7 @@ class RolloutProducer:
                     ) from self._crash
                 if self._is_stopped():
                     return None
-                self._cond.wait(_POLL_SECONDS)
+                self._cond.wait(self._poll_seconds)
             batch = self._ready.pop(step)
             self._publish_fill()
         if batch.error is not None:
@@ -177,7 +177,7 @@ class RolloutProducer:
         while not ready():
             if self._is_stopped():
                 return False
-            self._cond.wait(_POLL_SECONDS)
+            self._cond.wait(self._poll_seconds)
         return True
 
     def _put(self, batch: ScoredBatch) -> None:
@@ -232,7 +232,7 @@ class RolloutProducer:
         try:
             while not self._is_stopped():
                 try:
-                    batch = self._scoring.get(timeout=_POLL_SECONDS)
+                    batch = self._scoring.get(timeout=self._poll_seconds)
                 except queue.Empty:
                     continue
                 self._score(batch)

@@ -100,8 +100,10 @@ def build_loop(
     """The loop and everything it drives, each part given what it uses when it is built.
     ``stop`` ends the run (the step in flight finishes, its retries end early);
     ``train_backoff_seconds``: the wait before a Train is re-sent (times the send's number)."""
-    pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="loop-rpc")
-    gate = GeneratorGate()
+    pool = ThreadPoolExecutor(
+        max_workers=config.controller.loop_call_threads, thread_name_prefix="loop-rpc"
+    )
+    gate = GeneratorGate(config.loop.stop_poll_seconds)
     asynchronous = config.loop.mode == "async"
     phases = WorkerPhases(clients, pool, table)
     if any(task.environment is not None for task in config.tasks.definitions):

@@ -53,6 +53,7 @@ class AsyncSteps:
             max_staleness=self.config.max_staleness,
             last_step=self.config.steps,
             stopped=parts.stopping,
+            poll_seconds=self.config.stop_poll_seconds,
         )
         self.recorded_position: dict[str, Any] = {}
         """The task source's position after the last recorded step: where a checkpoint (or a
