@@ -15,7 +15,7 @@ import grpc
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import RunStore
 from podrl.controller.service.main import build_loop
-from podrl.controller.service.status import RunState
+from podrl.controller.service.status import RolloutView, RunState
 from podrl.controller.step.pod_calls import WorkerClients
 from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
@@ -71,7 +71,9 @@ class Cluster:
         run_dir = self.tmp_path / "run"
         port = int(self.grader.rsplit(":", 1)[1])
         config = loop_config(run_dir, port, task=task, steps=steps, **loop)
-        state = RunState(config.name, self.table, 1, config.loop.steps)
+        state = RunState(
+            config.name, self.table, 1, config.loop.steps, rollout=RolloutView.of(config.loop)
+        )
         store = RunStore(run_dir / "controller.sqlite")
         clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
         source = build_task_source(config.tasks)

@@ -15,7 +15,7 @@ from podrl.config import RunConfig
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import RunStore
 from podrl.controller.service.main import build_loop
-from podrl.controller.service.status import RunState
+from podrl.controller.service.status import RolloutView, RunState
 from podrl.controller.step.pod_calls import WorkerClients
 from podrl.tasks import build_task_source
 from podrl.v1 import controller_pb2
@@ -82,7 +82,7 @@ def run_fake_pod_loop(
         (controller_pb2.COMPONENT_TRAINER, pod.address),
     ):
         table.register("pod-0", component, address, "incarnation-1")
-    state = RunState(config.name, table, 1, config.loop.steps)
+    state = RunState(config.name, table, 1, config.loop.steps, rollout=RolloutView.of(config.loop))
     store = RunStore(run_dir / "controller.sqlite")
     clients = WorkerClients(config.grpc, credentials())  # the real grader checks them
     source = build_task_source(config.tasks)

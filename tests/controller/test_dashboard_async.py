@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from podrl.config.loop import LoopConfig
 from podrl.controller import loop_metrics
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import RunStore, StepRecord
@@ -27,13 +28,11 @@ def _async_state(
     registry = PodTable(heartbeat_timeout_seconds=60)
     for component in (1, 2, 3):
         registry.register("pod-0", component, f"127.0.0.1:{50050 + component}", "inc")
-    state = RunState("async-dash", registry, min_worker_pods=1, steps_total=10)
-    state.set_rollout(
-        RolloutView(
-            mode="async", max_staleness=1, buffer_capacity_groups=32, weight_apply=weight_apply
-        ),
-        buffer_fill=lambda: (1, 16),
+    loop = LoopConfig(mode="async", max_staleness=1, prompts_per_step=16, weight_apply=weight_apply)
+    state = RunState(
+        "async-dash", registry, min_worker_pods=1, steps_total=10, rollout=RolloutView.of(loop)
     )
+    state.follow_loop(lambda: "train", buffer_fill=lambda: (1, 16))
     store = RunStore(tmp_path / "controller.sqlite")
     for step in range(1, 5):
         metrics = {
@@ -129,3 +128,14 @@ def test_dashboard_shows_the_rollout_buffer(
     assert 'data-series="1 behind">1 behind: 15.00<' in dom
     assert 'data-series="0 behind">0 behind: 0.000<' in dom
     assert 'data-series="dropped stale">dropped stale: 1.000<' in dom
+
+
+def test_the_status_has_the_rollout_settings_before_the_loop_is_built() -> None:
+    # The state is built with the run's rollout settings, so the status an async run answers
+    # before its loop starts already says async (it said sync until the loop set them).
+    loop = LoopConfig(mode="async", max_staleness=2, prompts_per_step=5)
+    state = RunState("early", PodTable(60), 1, rollout=RolloutView.of(loop))
+    rollout = state.view().rollout
+    assert (rollout.mode, rollout.max_staleness, rollout.buffer_capacity_groups) == ("async", 2, 15)
+    assert (rollout.buffer_steps, rollout.buffer_groups) == (0, 0)  # no producer yet
+    assert RolloutView.of(LoopConfig()) == RolloutView()  # sync: no buffer

@@ -23,7 +23,7 @@ from podrl.controller.records.recorder import RunStore, StepRecorder
 from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.servicer import ControllerServicer
-from podrl.controller.service.status import RunState
+from podrl.controller.service.status import RolloutView, RunState
 from podrl.controller.step.async_steps import AsyncSteps
 from podrl.controller.step.loop import GrpoLoop, StepDriver, StepParts, SyncSteps
 from podrl.controller.step.pod_calls import TrainPhase, WeightSync, WorkerClients, WorkerPhases
@@ -141,8 +141,13 @@ def build_loop(
         pool,
         stop,
     )
-    state.follow_loop(lambda: parts.phase)
-    driver: StepDriver = AsyncSteps(parts) if asynchronous else SyncSteps(parts)
+    driver: StepDriver
+    if asynchronous:
+        driver = AsyncSteps(parts)
+        state.follow_loop(lambda: parts.phase, buffer_fill=driver.producer.fill)
+    else:
+        driver = SyncSteps(parts)
+        state.follow_loop(lambda: parts.phase)
     checkpoints = RunCheckpoints(
         config, state, store, clients, source, recorder, table, train_phase
     )
@@ -201,7 +206,13 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     section = config.controller
     table = PodTable(section.heartbeat_timeout_seconds)
     scaler, watch = build_scaling(config, table)
-    state = RunState(config.name, table, section.min_worker_pods, config.loop.steps)
+    state = RunState(
+        config.name,
+        table,
+        section.min_worker_pods,
+        config.loop.steps,
+        rollout=RolloutView.of(config.loop),
+    )
     store = RunStore(config.run_dir / "controller.sqlite")
     servicer = ControllerServicer(state, section.heartbeat_interval_seconds)
     side_servers: list = [] if watch is None else [KubeWatchServer(watch)]

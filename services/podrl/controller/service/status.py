@@ -9,7 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from podrl.config.loop import LoopConfig
 from podrl.controller.pods.table import PodTable
+from podrl.controller.rollout.producer import buffer_capacity_steps
 from podrl.v1 import controller_pb2
 
 _COMPONENT_BY_NAME = {"generator": 1, "grader": 2, "trainer": 3}
@@ -65,6 +67,19 @@ class RolloutView(BaseModel):
         description="Samples of the groups kept that more than one policy version sampled (a "
         "weight update landed in flight while they ran), over the run.",
     )
+
+    @classmethod
+    def of(cls, loop: LoopConfig) -> RolloutView:
+        """The run's rollout settings: async mode's buffer; empty in sync mode."""
+        if loop.mode != "async":
+            return cls()
+        return cls(
+            mode="async",
+            max_staleness=loop.max_staleness,
+            buffer_capacity_groups=buffer_capacity_steps(loop.max_staleness)
+            * loop.prompts_per_step,
+            weight_apply=loop.weight_apply,
+        )
 
 
 #: Drift warnings kept for the status (a run that drifts for long would grow the list).
@@ -149,7 +164,9 @@ class RunState:
         table: PodTable,
         min_worker_pods: int,
         steps_total: int = 0,
+        rollout: RolloutView | None = None,
     ) -> None:
+        """``rollout``: the run's rollout settings (:meth:`RolloutView.of` its loop section)."""
         self.run_name = run_name
         self.table = table
         """Every pod fact and the epoch (status pages read them there)."""
@@ -167,16 +184,21 @@ class RunState:
         self.last_checkpoint_error: dict[str, Any] | None = None
         self.last_eval: dict[str, Any] | None = None
         self.evaluations = 0
-        self.rollout = RolloutView()
+        self.rollout = rollout or RolloutView()
         self.warnings: list[dict[str, Any]] = []
         self._buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(steps, groups) in the rollout buffer (async mode's producer answers it)."""
 
-    def follow_loop(self, phase: Callable[[], str]) -> None:
-        """The loop owns the run's phase (generate, train, sync, ...): status reads it there,
-        so a step does not write it here."""
+    def follow_loop(
+        self, phase: Callable[[], str], buffer_fill: Callable[[], tuple[int, int]] | None = None
+    ) -> None:
+        """The loop owns the run's phase (generate, train, sync, ...) and, in async mode, the
+        rollout buffer (``buffer_fill``: its steps and groups): status reads them there, so a
+        step does not write them here."""
         with self._lock:
             self._phase = phase
+            if buffer_fill is not None:
+                self._buffer_fill = buffer_fill
 
     @property
     def phase(self) -> str:
@@ -209,12 +231,6 @@ class RunState:
             self.phase_seconds = dict(phase_seconds)
             self.last_step_metrics = dict(metrics)
             self.error = None
-
-    def set_rollout(self, rollout: RolloutView, buffer_fill: Callable[[], tuple[int, int]]) -> None:
-        """Async mode's rollout settings, and where the buffer's (steps, groups) are read."""
-        with self._lock:
-            self.rollout = rollout
-            self._buffer_fill = buffer_fill
 
     def count_staleness(self, figures: dict[str, Any]) -> None:
         """Add a step record's staleness figures to the run's totals."""

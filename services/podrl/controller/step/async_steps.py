@@ -25,7 +25,6 @@ from podrl.controller.rollout.gate import GeneratorGate
 from podrl.controller.rollout.producer import (
     RolloutProducer,
     ScoredBatch,
-    buffer_capacity_steps,
 )
 from podrl.controller.service.status import RolloutView
 from podrl.controller.step.batch import (
@@ -63,16 +62,7 @@ class AsyncSteps:
         self._taken: ScoredBatch | None = None
         """The batch of the step being trained, kept until recorded (a Train that was not
         applied is sent again with it)."""
-        capacity = buffer_capacity_steps(self.config.max_staleness) * self.config.prompts_per_step
-        parts.state.set_rollout(
-            RolloutView(
-                mode="async",
-                max_staleness=self.config.max_staleness,
-                buffer_capacity_groups=capacity,
-                weight_apply=self.config.weight_apply,
-            ),
-            buffer_fill=self.producer.fill,
-        )
+        capacity = RolloutView.of(self.config).buffer_capacity_groups
         metrics.BUFFER_CAPACITY_GROUPS.set(capacity)
 
     def resumed(self) -> None:
