@@ -20,13 +20,14 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from podrl.config import RunConfig, load_config
-from podrl.config.trainer import ReplicationConfig
+from podrl.config.trainer import ReplicationConfig, TrainerConfig
 from podrl.trainer.batch import BatchError
 from podrl.trainer.engine import TrainerEngine
 from podrl.trainer.errors import NonFiniteStepError, TrainNotAllowedError, error_kind
@@ -52,6 +53,7 @@ class Served:
     engine: TrainerEngine
     sync: WeightPublishing
     stub: trainer_pb2_grpc.TrainerStub
+    loop: CommandLoop
 
 
 def _config(tiny_model, tmp_path, device: str) -> RunConfig:
@@ -76,12 +78,14 @@ def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
         ack_timeout=config.trainer.weights_ack_timeout_seconds,
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(config, engine, loop), server)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(
+        TrainerServicer.build(config, engine, loop), server
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Served(engine, sync, trainer_pb2_grpc.TrainerStub(channel))
+        yield Served(engine, sync, trainer_pb2_grpc.TrainerStub(channel), loop)
     finally:
         channel.close()
         server.stop(grace=None)
@@ -278,3 +282,18 @@ def test_a_weight_sync_runs_none_of_the_engines_code(
     assert published.manifest.version == 0
     served.stub.AcknowledgeWeights(trainer_pb2.AcknowledgeWeightsRequest(version=0), timeout=60)
     assert served.sync.publisher.pending_version is None
+
+
+def test_the_servicer_is_built_from_the_trainer_section_the_run_dir_and_the_pod_id(
+    served: Served, tmp_path: Path
+) -> None:
+    # No RunConfig: the servicer reads the trainer's section, and of the rest only these two.
+    servicer = TrainerServicer(
+        TrainerConfig(loss_mode="dr_grpo"),
+        run_dir=tmp_path / "elsewhere",
+        worker_id="pod-7",
+        engine=served.engine,
+        loop=served.loop,
+    )
+    info = servicer.Info(common_pb2.InfoRequest(), None)  # type: ignore[arg-type]
+    assert (info.info.worker_id, info.info.details["loss_mode"]) == ("pod-7", "dr_grpo")

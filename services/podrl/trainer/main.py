@@ -33,7 +33,7 @@ def build_spec(config: RunConfig) -> ServiceSpec:
     spec = worker_spec(
         "trainer",
         config,
-        TrainerServicer(config, engine, loop),
+        TrainerServicer.build(config, engine, loop),
         trainer_pb2_grpc.add_TrainerServicer_to_server,
         on_close=[loop.shutdown, engine.close],
     )

@@ -439,8 +439,30 @@ _STATUS: dict[ErrorKind, grpc.StatusCode] = {
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, config: RunConfig, engine: TrainerEngine, loop: CommandLoop) -> None:
-        self._config = config
+    @classmethod
+    def build(cls, config: RunConfig, engine: TrainerEngine, loop: CommandLoop) -> TrainerServicer:
+        """Rank 0's servicer: the trainer's section, and from the rest of the run config only
+        the run directory (where files go by default) and the pod's id."""
+        return cls(
+            config.trainer,
+            run_dir=Path(config.run_dir),
+            worker_id=config.worker_id,
+            engine=engine,
+            loop=loop,
+        )
+
+    def __init__(
+        self,
+        settings: TrainerConfig,
+        *,
+        run_dir: Path,
+        worker_id: str,
+        engine: TrainerEngine,
+        loop: CommandLoop,
+    ) -> None:
+        self._settings = settings
+        self._run_dir = run_dir
+        self._worker_id = worker_id
         self._engine = engine
         self._loop = loop
         # One collective command at a time, and a Train's version check and its step together.
@@ -526,13 +548,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return reply
 
     def _default_dir(self, configured: Path | None, name: str) -> Path:
-        return Path(configured) if configured else Path(self._config.run_dir) / name
+        return Path(configured) if configured else self._run_dir / name
 
     def _roots(self, configured_field: str) -> list[tuple[str, Path]]:
         """The folders a file RPC may use: the run directory, and the folder the config field
         ``trainer.<configured_field>`` names when it is set."""
-        roots = [("run_dir", Path(self._config.run_dir))]
-        configured = getattr(self._config.trainer, configured_field)
+        roots = [("run_dir", self._run_dir)]
+        configured = getattr(self._settings, configured_field)
         if configured:
             roots.append((f"trainer.{configured_field}", Path(configured)))
         return roots
@@ -555,7 +577,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
-        directory = self._default_dir(self._config.trainer.checkpoint_dir, "checkpoints")
+        directory = self._default_dir(self._settings.checkpoint_dir, "checkpoints")
         with self._lock:
             path = self._confined(
                 request.path
@@ -592,7 +614,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if not request.path:  # retention covers the folders the trainer names itself
                 removed = checkpoint.prune(
                     paths.real_path(directory),
-                    self._config.trainer.checkpoint_keep_latest,
+                    self._settings.checkpoint_keep_latest,
                     keep_path=path,
                 )
                 if removed:
@@ -621,7 +643,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.ExportHFResponse:
         path = self._confined(
             request.path
-            or self._default_dir(self._config.trainer.export_dir, "exports")
+            or self._default_dir(self._settings.export_dir, "exports")
             / f"version-{self._engine.policy_version:08d}",
             "export_dir",
             "ExportHFRequest.path",
@@ -691,12 +713,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             info=common_pb2.ServiceInfo(
                 service="podrl.v1.Trainer",
                 version=podrl.__version__,
-                worker_id=self._config.worker_id,
+                worker_id=self._worker_id,
                 details={
                     "device": str(engine.device),
-                    "loss_mode": self._config.trainer.loss_mode,
+                    "loss_mode": self._settings.loss_mode,
                     "learning_rate": f"{engine.learning_rate:.3g}",
-                    "lighthouse": self._config.trainer.replication.lighthouse_address,
+                    "lighthouse": self._settings.replication.lighthouse_address,
                 },
             ),
             model=str(engine.model_path),
