@@ -101,7 +101,7 @@ def test_a_step_in_flight_the_trainer_applied_is_recovered_with_its_stored_reply
     assert (
         plan.recovered.train_reply is not None and plan.recovered.train_reply.metrics.loss == 0.25
     )
-    assert plan.forget_after == 5
+    assert plan.last_step == 5
 
 
 def test_a_recovered_step_whose_batch_the_trainer_does_not_name_has_unknown_metrics(
@@ -127,7 +127,7 @@ def test_a_trainer_behind_the_records_resumes_at_its_version_and_forgets_the_res
     _history(store, [1, 2, 2, 3, 4])
     plan = plan_resume(store, None, TrainerState(2), None, checkpoint_loaded=False)
     # Step 3 trained nothing (version stayed 2): the run continues after it.
-    assert (plan.last_step, plan.forget_after, plan.position) == (3, 3, {"index": 12})
+    assert (plan.last_step, plan.position) == (3, {"index": 12})
 
 
 def test_after_a_checkpoint_load_the_records_win_when_they_reach_further(store: RunStore) -> None:
@@ -135,7 +135,7 @@ def test_after_a_checkpoint_load_the_records_win_when_they_reach_further(store: 
     loaded = ControllerState(2, 2, {"index": 8})
     plan = plan_resume(store, _pending(5), TrainerState(2), loaded, checkpoint_loaded=True)
     assert plan.source == "database" and plan.recovered is None  # no recovery after a load
-    assert (plan.last_step, plan.forget_after) == (3, 3)
+    assert plan.last_step == 3
 
 
 def test_after_a_checkpoint_load_without_records_its_controller_state_is_the_position(
@@ -160,17 +160,17 @@ def test_a_trainer_at_version_zero_with_nothing_to_go_back_to_starts_over(
     store: RunStore,
 ) -> None:
     plan = plan_resume(store, None, TrainerState(0), None, checkpoint_loaded=False)
-    assert (plan.source, plan.last_step, plan.position, plan.forget_after) == ("start", 0, None, 0)
+    assert (plan.source, plan.last_step, plan.position) == ("start", 0, None)
     _history(store, [1, 2, 3])  # trained, but the trainer restarted and no checkpoint exists
     plan = plan_resume(store, None, TrainerState(0), None, checkpoint_loaded=False)
-    assert (plan.source, plan.forget_after) == ("start", 0)
+    assert (plan.source, plan.last_step) == ("start", 0)
 
 
 def test_untrained_first_steps_survive_a_trainer_that_starts_over(store: RunStore) -> None:
     _history(store, [0, 0, 1, 2])
     plan = plan_resume(store, None, TrainerState(0), None, checkpoint_loaded=False)
     # The trainer at version 0 holds exactly what steps 1-2 left (they trained nothing).
-    assert (plan.source, plan.last_step, plan.forget_after) == ("database", 2, 2)
+    assert (plan.source, plan.last_step) == ("database", 2)
 
 
 def test_a_version_nothing_records_fails_the_resume_clearly(store: RunStore) -> None:
@@ -186,7 +186,7 @@ def test_resume_past_ten_thousand_steps_picks_the_last_step(store: RunStore) -> 
         _record(store, step, step)
     assert choose_checkpoint(10_005, store, None, None, None) is None
     plan = plan_resume(store, None, TrainerState(10_005), None, checkpoint_loaded=False)
-    assert (plan.last_step, plan.forget_after, plan.position) == (10_005, 10_005, {"index": 40_020})
+    assert (plan.last_step, plan.position) == (10_005, {"index": 40_020})
     assert len(store.steps()) == 10_005
 
 

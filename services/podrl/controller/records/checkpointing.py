@@ -150,14 +150,14 @@ class RunCheckpoints:
                 else "its metrics are unknown",
             )
         self.store.clear_pending()
-        records, rows = self.recorder.forget_steps_after(plan.forget_after)
+        records, rows = self.recorder.forget_steps_after(plan.last_step)
         if records or rows:
             log.warning(
                 "forgot %d steps and %d sample rows after step %d (the trainer no longer has "
                 "them; they run again)",
                 records,
                 rows,
-                plan.forget_after,
+                plan.last_step,
             )
         if plan.position is not None:
             self.source.restore(plan.position)

@@ -88,16 +88,15 @@ class TrainerState:
 @dataclass(frozen=True)
 class ResumePlan:
     last_step: int
-    """The last step done; the run continues with ``last_step + 1``."""
+    """The last step done; the run continues with ``last_step + 1``. Step records and
+    samples.jsonl rows after it are removed (they will be redone)."""
     policy_version: int
     position: dict[str, Any] | None
     """Where the task source continues; None = from its start."""
-    forget_after: int
-    """Step records and samples.jsonl rows after this step are removed (they will be redone)."""
-    recovered: RecoveredStep | None
-    """Record this step first."""
     source: str
     """Where the position comes from: "start", "database", "step_in_flight", "checkpoint"."""
+    recovered: RecoveredStep | None = None
+    """Record this step first."""
 
 
 def _knows_version(history: StepHistory, pending: PendingStep | None, trainer_version: int) -> bool:
@@ -165,36 +164,17 @@ def plan_resume(
             train_reply=trainer.last_train if applied else None,
         )
         return ResumePlan(
-            last_step=pending.step,
-            policy_version=version,
-            position=pending.position_after,
-            forget_after=pending.step,
-            recovered=recovered,
-            source="step_in_flight",
+            pending.step, version, pending.position_after, "step_in_flight", recovered
         )
     recorded = history.last_step_at_version(version)
     from_checkpoint = loaded if loaded is not None and loaded.policy_version == version else None
     if recorded is not None and (from_checkpoint is None or recorded.step >= from_checkpoint.step):
-        return ResumePlan(
-            last_step=recorded.step,
-            policy_version=version,
-            position=recorded.position_after,
-            forget_after=recorded.step,
-            recovered=None,
-            source="database",
-        )
+        return ResumePlan(recorded.step, version, recorded.position_after, "database")
     if from_checkpoint is not None:
-        return ResumePlan(
-            last_step=from_checkpoint.step,
-            policy_version=version,
-            position=from_checkpoint.position,
-            forget_after=from_checkpoint.step,
-            recovered=None,
-            source="checkpoint",
-        )
+        return ResumePlan(from_checkpoint.step, version, from_checkpoint.position, "checkpoint")
     if version == 0:
         # Nothing trained survives (or nothing was trained yet): the run starts over.
-        return ResumePlan(0, 0, None, forget_after=0, recovered=None, source="start")
+        return ResumePlan(0, 0, None, "start")
     where = (
         "the checkpoint it loaded carries no controller state"
         if checkpoint_loaded
