@@ -75,10 +75,6 @@ class Options:
     run_timeout: float = 480.0
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "podrl.cli", *args]
-
-
 def run_config(opts: Options, mode: str, model: Path, run_dir: Path) -> dict[str, Any]:
     """examples/gpu.yaml for one run: its run dir, model folders, memory mode and device."""
     cuda = opts.device == "cuda"
@@ -150,6 +146,7 @@ class GpuMemory:
 def prepare_model(opts: Options, log: dict[str, Any]) -> Path:
     """The base folder (random init) and its warm-start; both kept in the work dir, so a
     second call on a warm machine reuses them."""
+    from bench.run_env import podrl_cli
     from bench.vllm_cuda import SHAPES, make_model_folder
 
     base, warm = opts.work_dir / "base", opts.work_dir / "warm"
@@ -163,7 +160,7 @@ def prepare_model(opts: Options, log: dict[str, Any]) -> Path:
         config.write_text(yaml.safe_dump(run))
         start = time.perf_counter()
         done = subprocess.run(
-            _cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
+            podrl_cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
                  "--steps", str(opts.warm_steps), "--lr", str(opts.warm_lr)),
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -212,21 +209,16 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 
 def run_mode(opts: Options, mode: str, model: Path) -> dict[str, Any]:
+    from bench.run_env import podrl_run
+
     run_dir = opts.work_dir / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     config = run_dir.parent / f"{mode}.yaml"
     config.write_text(yaml.safe_dump(run_config(opts, mode, model, run_dir)))
     start = time.perf_counter()
-    with GpuMemory() as memory, open(run_dir.parent / f"{mode}-podrl-run.log", "w") as log:
-        try:
-            done = subprocess.run(
-                _cli("run", str(config)), stdout=log, stderr=subprocess.STDOUT,
-                timeout=opts.run_timeout,
-            )  # fmt: skip
-            exit_code: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    with GpuMemory() as memory:
+        exit_code = podrl_run(config, run_dir.parent / f"{mode}-podrl-run.log", opts.run_timeout)
     result: dict[str, Any] = {
         "mode": mode,
         "exit_code": exit_code,

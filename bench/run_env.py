@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,3 +44,22 @@ def gpu_name() -> dict[str, str]:
         return {}
     names = done.stdout.strip()
     return {"gpu": names} if done.returncode == 0 and names else {}
+
+
+def podrl_cli(*args: str) -> list[str]:
+    """The command line of ``podrl ARGS`` in this interpreter."""
+    return [sys.executable, "-m", "podrl.cli", *args]
+
+
+def podrl_run(config: Path, log: Path, timeout: float) -> int | str:
+    """``podrl run CONFIG`` with its output in ``log``: its exit code, or how long it ran
+    before it was killed."""
+    with open(log, "w") as out:
+        try:
+            done = subprocess.run(
+                podrl_cli("run", str(config)), stdout=out, stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f} s"
+    return done.returncode

@@ -354,13 +354,10 @@ def read_podrl_run(run_dir: Path) -> dict[str, Any]:
 # ---- running the systems -----------------------------------------------------------------------
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "podrl.cli", *args]
-
-
 def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any]) -> Path:
     """The random-init folder and its warm-start (kept in the work dir: a second call on a warm
     machine reuses them; the warm-start's steps name its folder)."""
+    from bench.run_env import podrl_cli
     from bench.vllm_cuda import SHAPES, make_model_folder
 
     base = opts.work_dir / f"base-{opts.shape}"
@@ -374,7 +371,7 @@ def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any
         config.write_text(yaml.safe_dump({**base_config, "run_dir": str(opts.work_dir / "ws")}))
         start = time.perf_counter()
         done = subprocess.run(
-            _cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
+            podrl_cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
                  "--steps", str(opts.warm_steps), "--lr", str(opts.warm_lr)),
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -506,6 +503,8 @@ class Shared:
 
 
 def run_podrl(shared: Shared, system: str, seed: int) -> dict[str, Any]:
+    from bench.run_env import podrl_run
+
     opts = shared.opts
     name = f"{opts.label}{system}-{seed}"
     run_dir = opts.work_dir / name
@@ -516,15 +515,7 @@ def run_podrl(shared: Shared, system: str, seed: int) -> dict[str, Any]:
         yaml.safe_dump(podrl_config(shared.config, system, seed, shared.model, run_dir))
     )
     start = time.time()
-    with open(opts.work_dir / f"{name}.log", "w") as log:
-        try:
-            done = subprocess.run(
-                _cli("run", str(config)), stdout=log, stderr=subprocess.STDOUT,
-                timeout=opts.run_timeout,
-            )  # fmt: skip
-            exit_code: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    exit_code = podrl_run(config, opts.work_dir / f"{name}.log", opts.run_timeout)
     figures = read_podrl_run(run_dir)
     export = run_dir / "export"
     after = shared.evaluate(export) if (export / "config.json").is_file() else None
