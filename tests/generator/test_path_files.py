@@ -26,13 +26,11 @@ from podrl.generator.engine_runtime import EngineLoop
 from podrl.generator.generation import Generation
 from podrl.generator.servicer import GeneratorServicer
 from podrl.generator.sleep_mode import SleepMode
-from podrl.generator.weight_applier import UNSUPPORTED, WeightApplier
-from podrl.generator.worker_extension import WeightPhase, WeightState, WorkerReply
+from podrl.generator.worker_extension import WorkerReply
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
-from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file
+from tests.generator.appliers import SERVED, signed_applier
 
 GENERATOR = Path(__file__).resolve().parents[2] / "services" / "podrl" / "generator"
-SERVED = WeightState(WeightPhase.IDLE, 3, "storage-a")
 
 # docs/architecture.md, the generator's lines of both lists.
 GENERATE_AND_APPLY = {
@@ -134,22 +132,12 @@ class Recorder:
 
 
 def test_a_generate_and_an_apply_run_the_files_the_reading_order_lists(tmp_path: Path) -> None:
-    key = write_fresh_key_file(tmp_path / "key")
     config = GeneratorConfig()
     vllm = FakeVllm()
     loop = EngineLoop()
     loop.start()
     try:
-        applier = WeightApplier(
-            config,
-            vllm,
-            loop,
-            state=SERVED,
-            in_flight_apply=UNSUPPORTED,
-            parameter_count=4,
-            trusted_publisher_id="trainer-1",
-            key=GeneratorKey({WEIGHTS_KEY_FILE_ENV: str(tmp_path / "key")}),
-        )
+        applier, key = signed_applier(tmp_path, config, vllm, loop)
         parts = EngineParts(
             generation=Generation(config, vllm, loop, applier),
             applier=applier,

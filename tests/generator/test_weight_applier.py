@@ -21,15 +21,13 @@ from podrl.generator.weight_applier import UNSUPPORTED, WeightApplier, WeightApp
 from podrl.generator.worker_extension import (
     ApplyRequest,
     ErrorKind,
-    WeightPhase,
-    WeightState,
     WorkerReply,
 )
 from podrl.v1 import weights_pb2
 from podrl.weights.errors import ManifestError, ManifestErrorKind
-from podrl.weights.protocol import WEIGHTS_KEY_FILE_ENV, GeneratorKey, write_fresh_key_file
+from podrl.weights.protocol import GeneratorKey
+from tests.generator.appliers import SERVED, signed_applier
 
-SERVED = WeightState(WeightPhase.IDLE, 3, "storage-a")
 NEEDS_FULL = SERVED.needs_full("applying version 4 failed part-way")
 
 
@@ -62,17 +60,7 @@ def _applier(
     tmp_path: Path, loop: EngineLoop, workers: Workers
 ) -> tuple[WeightApplier, weights_pb2.WeightManifest]:
     """An applier for ``workers``, and a manifest of version 4 signed with its key."""
-    key = write_fresh_key_file(tmp_path / "key")
-    applier = WeightApplier(
-        GeneratorConfig(weight_copy_streams=2),
-        workers,
-        loop,
-        state=SERVED,
-        in_flight_apply=UNSUPPORTED,
-        parameter_count=4,
-        trusted_publisher_id="trainer-1",
-        key=GeneratorKey({WEIGHTS_KEY_FILE_ENV: str(tmp_path / "key")}),
-    )
+    applier, key = signed_applier(tmp_path, GeneratorConfig(weight_copy_streams=2), workers, loop)
     manifest = weights_pb2.WeightManifest(version=4, model_fingerprint="storage-a")
     key.sign(manifest)
     return applier, manifest
