@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,6 +229,24 @@ def share(
         pod_ids=pod_ids,
     )
     out.sequences.extend(batch.sequences[i] for i in indices)
+    return out
+
+
+def train_together(
+    requests: Mapping[Pod, trainer_pb2.TrainRequest], timeout: float
+) -> dict[str, object]:
+    """Send each pod its request at the same time; each pod's reply or RpcError, by name."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {
+            pod.name: pool.submit(pod.stub.Train, request, timeout=timeout)
+            for pod, request in requests.items()
+        }
+    out: dict[str, object] = {}
+    for name, future in futures.items():
+        try:
+            out[name] = future.result()
+        except grpc.RpcError as err:
+            out[name] = err
     return out
 
 

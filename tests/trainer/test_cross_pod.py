@@ -41,6 +41,7 @@ from tests.trainer.pods import (
     share,
     start_lighthouse,
     start_pods,
+    train_together,
 )
 from tests.trainer.rank_worker import make_request
 
@@ -89,22 +90,6 @@ def grpo(tiny_model, lighthouse, tmp_path_factory):
         pod.kill()
 
 
-def _train_together(requests: dict[Pod, object]) -> dict[str, object]:
-    """Send each pod its request at the same time; each pod's reply or RpcError, by name."""
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = {
-            pod.name: pool.submit(pod.stub.Train, request, timeout=180)
-            for pod, request in requests.items()
-        }
-    out = {}
-    for name, future in futures.items():
-        try:
-            out[name] = future.result()
-        except grpc.RpcError as err:
-            out[name] = err
-    return out
-
-
 def _same_metrics(a, b) -> None:
     for field in (
         "loss",
@@ -143,7 +128,7 @@ def two_pods_train_a_split_batch_as_one_pod(everyone: dict[str, Pod], tmp: Path)
     batch = make_request(11, sequences=SEQUENCES, version=0)
     wrong = share(batch, range(3, 8), "0/b", pods=2)
     wrong.policy_version = 5
-    replies = _train_together({a: share(batch, range(0, 3), "0/a", pods=2), b: wrong})
+    replies = train_together({a: share(batch, range(0, 3), "0/a", pods=2), b: wrong}, timeout=180)
     assert replies["pod-b"].code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "TrainRequest.policy_version" in replies["pod-b"].details()
     assert replies["pod-a"].code() == grpc.StatusCode.ABORTED
@@ -153,12 +138,13 @@ def two_pods_train_a_split_batch_as_one_pod(everyone: dict[str, Pod], tmp: Path)
     # Step 1: a part of the batch each.
     batch = make_request(11, sequences=SEQUENCES, version=0)
     alone = reference.stub.Train(batch, timeout=180)
-    replies = _train_together(
+    replies = train_together(
         {
             # Unequal shares: per-pod denominators would weight the pods' tokens differently.
             a: share(batch, range(0, 3), "1/a", pods=2),
             b: share(batch, range(3, 8), "1/b", pods=2),
-        }
+        },
+        timeout=180,
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     for reply in replies.values():
@@ -171,11 +157,12 @@ def two_pods_train_a_split_batch_as_one_pod(everyone: dict[str, Pod], tmp: Path)
     # Step 2: pod b's share is empty, and it still takes part in the step.
     batch = make_request(12, sequences=SEQUENCES, version=1)
     alone = reference.stub.Train(batch, timeout=180)
-    replies = _train_together(
+    replies = train_together(
         {
             a: share(batch, range(SEQUENCES), "2/a", pods=2),
             b: share(batch, [], "2/b", pods=2),
-        }
+        },
+        timeout=180,
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     for reply in replies.values():
@@ -208,7 +195,7 @@ def a_batch_whose_totals_contradict_its_shares_is_refused_at_once(everyone: dict
     for request in shares.values():
         request.global_completion_tokens = tokens + 5  # each share fits; together they do not
     started = time.monotonic()
-    replies = _train_together(shares)
+    replies = train_together(shares, timeout=180)
     for name, reply in replies.items():
         assert isinstance(reply, grpc.RpcError), name
         assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT, reply.details()
@@ -264,8 +251,9 @@ def a_pod_that_joins_heals_from_its_peer(
 
     # Pod c is sent a step for version 3: it heals from pod a before its version check.
     batch = make_request(14, sequences=SEQUENCES, version=3)
-    replies = _train_together(
-        {a: share(batch, range(0, 4), "4/a", 2), c: share(batch, range(4, 8), "4/c", 2)}
+    replies = train_together(
+        {a: share(batch, range(0, 4), "4/a", 2), c: share(batch, range(4, 8), "4/c", 2)},
+        timeout=180,
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     assert "healed from a peer pod: version 0 -> 3" in c.log()
@@ -360,8 +348,9 @@ def test_dapo_two_pods_as_one_and_a_pod_failing_after_the_exchange(dapo):
     reference, a, b = pods["dapo-reference"], pods["dapo-a"], pods["dapo-b"]
     batch = make_request(21, sequences=SEQUENCES, version=0)
     alone = reference.stub.Train(batch, timeout=180)
-    replies = _train_together(
-        {a: share(batch, range(0, 5), "1/a", 2), b: share(batch, range(5, 8), "1/b", 2)}
+    replies = train_together(
+        {a: share(batch, range(0, 5), "1/a", 2), b: share(batch, range(5, 8), "1/b", 2)},
+        timeout=180,
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     for reply in replies.values():
@@ -371,8 +360,9 @@ def test_dapo_two_pods_as_one_and_a_pod_failing_after_the_exchange(dapo):
 
     # Pod b fails after the exchange: pod a applied the whole batch (OK), pod b nothing.
     batch = make_request(22, sequences=SEQUENCES, version=1)
-    replies = _train_together(
-        {a: share(batch, range(0, 4), "2/a", 2), b: share(batch, range(4, 8), "2/b", 2)}
+    replies = train_together(
+        {a: share(batch, range(0, 4), "2/a", 2), b: share(batch, range(4, 8), "2/b", 2)},
+        timeout=180,
     )
     assert replies["dapo-a"].policy_version == 2
     assert replies["dapo-b"].code() == grpc.StatusCode.ABORTED
@@ -380,8 +370,9 @@ def test_dapo_two_pods_as_one_and_a_pod_failing_after_the_exchange(dapo):
     _same_metrics(replies["dapo-a"], reference.stub.Train(batch, timeout=180))
     # The step is trained (never sent again); pod b heals from pod a in the next one.
     batch = make_request(23, sequences=SEQUENCES, version=2)
-    replies = _train_together(
-        {a: share(batch, range(0, 4), "3/a", 2), b: share(batch, range(4, 8), "3/b", 2)}
+    replies = train_together(
+        {a: share(batch, range(0, 4), "3/a", 2), b: share(batch, range(4, 8), "3/b", 2)},
+        timeout=180,
     )
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     assert "healed from a peer pod: version 1 -> 2" in b.log()
@@ -443,8 +434,9 @@ def test_pods_of_two_ranks_train_and_heal_rank_by_rank(tiny_model, tmp_path):
         )
         b = pods["wide-b"]
         batch = make_request(32, sequences=SEQUENCES, version=1)
-        replies = _train_together(
-            {a: share(batch, range(0, 3), "2/a", 2), b: share(batch, range(3, 8), "2/b", 2)}
+        replies = train_together(
+            {a: share(batch, range(0, 3), "2/a", 2), b: share(batch, range(3, 8), "2/b", 2)},
+            timeout=180,
         )
         assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
         assert "healed from a peer pod: version 0 -> 1" in b.log()

@@ -15,7 +15,6 @@ import contextlib
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import grpc
@@ -25,7 +24,7 @@ from torchft.coordination import LighthouseClient
 
 from podrl.common.auth import CallerCredentials, load_run_secret
 from podrl.config.auth import AuthConfig
-from tests.trainer.pods import Pod, share, start_lighthouse, start_pods
+from tests.trainer.pods import Pod, share, start_lighthouse, start_pods, train_together
 from tests.trainer.rank_worker import make_request
 
 pytestmark = pytest.mark.slow
@@ -60,22 +59,11 @@ def _step(pods: list[Pod], version: int, tag: str) -> dict[str, object]:
     """Train a batch split over ``pods`` at once; each pod's reply or RpcError, by name."""
     batch = make_request(20 + version, sequences=SEQUENCES, version=version)
     halves = [range(0, SEQUENCES // 2), range(SEQUENCES // 2, SEQUENCES)]
-    with ThreadPoolExecutor(len(pods)) as pool:
-        futures = {
-            pod.name: pool.submit(
-                pod.stub.Train,
-                share(batch, part, f"{tag}@{pod.name}", len(pods), PODS),
-                timeout=120,
-            )
-            for pod, part in zip(pods, halves, strict=True)
-        }
-    out: dict[str, object] = {}
-    for name, future in futures.items():
-        try:
-            out[name] = future.result()
-        except grpc.RpcError as err:
-            out[name] = err
-    return out
+    requests = {
+        pod: share(batch, part, f"{tag}@{pod.name}", len(pods), PODS)
+        for pod, part in zip(pods, halves, strict=True)
+    }
+    return train_together(requests, timeout=120)
 
 
 def _trained(replies: dict[str, object], version: int) -> None:

@@ -48,7 +48,9 @@ def copy_manifest(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightMan
 
 
 def assert_refused(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCode) -> str:
-    """The manifest is refused with ``kind``/``code``; the receiver's buffers are unchanged."""
+    """The manifest is refused with ``kind``/``code``; the receiver's fingerprint and buffers
+    are unchanged."""
+    before_fingerprint = receiver.fingerprint
     before = (
         {n: t.clone() for n, t in receiver._cached.destinations.items()} if receiver._cached else {}
     )
@@ -56,6 +58,7 @@ def assert_refused(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.St
         receiver.apply(manifest)
     assert error.value.kind is kind, error.value
     assert error.value.status_code == code
+    assert receiver.fingerprint == before_fingerprint
     for name, tensor in before.items():
         assert torch.equal(receiver._cached.destinations[name], tensor), name
     return str(error.value)

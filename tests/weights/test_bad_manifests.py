@@ -10,60 +10,30 @@ import torch
 
 from podrl.v1 import weights_pb2
 from podrl.weights import (
-    ManifestAssembler,
-    ManifestError,
-    ManifestErrorKind,
-    ModelDescription,
     PublishError,
     WeightPublisher,
     WeightReceiver,
 )
-from tests.harness.weights import publish_single_process
-from tests.weights.tiny_qwen3 import CONFIG
-
-Kind = ManifestErrorKind
-DESCRIPTION = ModelDescription.from_hf_config(CONFIG)
-
-
-class Trainer:
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.params = {n: torch.randn(s) for n, s in DESCRIPTION.params.items()}
-        self.publisher = WeightPublisher(lambda: self.params)
-        self.assembler = ManifestAssembler("trainer-0")
-
-    def publish(self, version: int, **kwargs: object) -> weights_pb2.WeightManifest:
-        return publish_single_process(self.publisher, self.assembler, version, **kwargs)
+from tests.weights.manifest_cases import (
+    DESCRIPTION,
+    Kind,
+    Trainer,
+    assert_refused,
+    copy_manifest,
+    make_receiver,
+)
 
 
 @pytest.fixture
 def trainer() -> Iterator[Trainer]:
-    trainer = Trainer()
+    trainer = Trainer(key=None)
     yield trainer
     trainer.publisher.close()
 
 
 @pytest.fixture
 def receiver() -> WeightReceiver:
-    return WeightReceiver(DESCRIPTION, trusted_publisher_id="trainer-0")
-
-
-def _rejects(receiver: WeightReceiver, manifest, kind: Kind, code: grpc.StatusCode) -> None:
-    before_fingerprint = receiver.fingerprint
-    before = (
-        {n: t.clone() for n, t in receiver._cached.destinations.items()} if receiver._cached else {}
-    )
-    with pytest.raises(ManifestError) as error:
-        receiver.apply(manifest)
-    assert error.value.kind is kind, error.value
-    assert error.value.status_code == code
-    assert receiver.fingerprint == before_fingerprint
-    if before:
-        assert all(torch.equal(receiver._cached.destinations[n], t) for n, t in before.items())
-
-
-def _copy(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
-    return weights_pb2.WeightManifest.FromString(manifest.SerializeToString())
+    return make_receiver()
 
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -71,39 +41,40 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 
 def test_wrong_name_shape_dtype_missing_coverage(trainer, receiver) -> None:
     good = trainer.publish(1)
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.shards[0].name = "model.layers.0.self_attn.qkv.weight"
-    _rejects(receiver, bad, Kind.UNKNOWN_NAME, INVALID)
+    assert_refused(receiver, bad, Kind.UNKNOWN_NAME, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.shards[1].global_shape[0] += 1
-    _rejects(receiver, bad, Kind.SHAPE, INVALID)
+    assert_refused(receiver, bad, Kind.SHAPE, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.shards[2].dtype = weights_pb2.DTYPE_INT8
-    _rejects(receiver, bad, Kind.DTYPE, INVALID)
+    assert_refused(receiver, bad, Kind.DTYPE, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.shards[2].dtype = weights_pb2.DTYPE_UNSPECIFIED
-    _rejects(receiver, bad, Kind.DTYPE, INVALID)
+    assert_refused(receiver, bad, Kind.DTYPE, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     del bad.shards[3]
-    _rejects(receiver, bad, Kind.MISSING_NAME, INVALID)
+    assert_refused(receiver, bad, Kind.MISSING_NAME, INVALID)
 
-    bad = _copy(good)  # a block half the size: consistent bytes, but the tensor is not covered
+    # A block half the size: consistent bytes, but the tensor is not covered.
+    bad = copy_manifest(good)
     shard = next(s for s in bad.shards if len(s.local_shape) == 2)
     shard.local_shape[0] //= 2
     shard.storage.shm.nbytes //= 2
-    _rejects(receiver, bad, Kind.COVERAGE, INVALID)
+    assert_refused(receiver, bad, Kind.COVERAGE, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.shards[0].storage.shm.nbytes += 4
-    _rejects(receiver, bad, Kind.SHAPE, INVALID)
+    assert_refused(receiver, bad, Kind.SHAPE, INVALID)
 
-    bad = _copy(good)
+    bad = copy_manifest(good)
     bad.publisher_id = "someone-else"
-    _rejects(receiver, bad, Kind.UNTRUSTED, PRECONDITION)
+    assert_refused(receiver, bad, Kind.UNTRUSTED, PRECONDITION)
 
     # The good one still applies after all that.
     applied = dict(receiver.apply(good))
@@ -130,10 +101,10 @@ def test_fingerprint_change_needs_full_manifest(trainer, receiver) -> None:
     forged = weights_pb2.WeightManifest(
         version=2, model_fingerprint="0" * 64, version_only=True, publisher_id="trainer-0"
     )
-    _rejects(receiver, forged, Kind.FINGERPRINT, PRECONDITION)
+    assert_refused(receiver, forged, Kind.FINGERPRINT, PRECONDITION)
     # So is one sent to a receiver that has no plan yet.
     fresh = WeightReceiver(DESCRIPTION)
-    _rejects(fresh, trainer.publish(2), Kind.FINGERPRINT, PRECONDITION)
+    assert_refused(fresh, trainer.publish(2), Kind.FINGERPRINT, PRECONDITION)
     trainer.publisher.finish(2)
 
     # New storage (e.g. a checkpoint loaded into new tensors): the publisher sends a full
