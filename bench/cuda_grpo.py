@@ -146,7 +146,7 @@ class GpuMemory:
 def prepare_model(opts: Options, log: dict[str, Any]) -> Path:
     """The base folder (random init) and its warm-start; both kept in the work dir, so a
     second call on a warm machine reuses them."""
-    from bench.run_env import podrl_cli
+    from bench.run_env import podrl_warm_start
     from bench.vllm_cuda import SHAPES, make_model_folder
 
     base, warm = opts.work_dir / "base", opts.work_dir / "warm"
@@ -159,11 +159,7 @@ def prepare_model(opts: Options, log: dict[str, Any]) -> Path:
         run = run_config(opts, "resident", base, opts.work_dir / "warm-start-run")
         config.write_text(yaml.safe_dump(run))
         start = time.perf_counter()
-        done = subprocess.run(
-            podrl_cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
-                 "--steps", str(opts.warm_steps), "--lr", str(opts.warm_lr)),
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        done = podrl_warm_start(config, base, warm, opts.warm_steps, opts.warm_lr)
         log["warm_start_seconds"] = round(time.perf_counter() - start, 1)
         output = done.stdout[-3000:] + done.stderr[-3000:]
         log["warm_start_output"] = output.replace(str(opts.work_dir), "<work dir>")

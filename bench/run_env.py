@@ -63,3 +63,14 @@ def podrl_run(config: Path, log: Path, timeout: float) -> int | str:
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout:.0f} s"
     return done.returncode
+
+
+def podrl_warm_start(
+    config: Path, base: Path, out: Path, steps: int, lr: float
+) -> subprocess.CompletedProcess[str]:
+    """``podrl warm-start`` of ``base`` into ``out`` (its output captured; ten minutes at most)."""
+    return subprocess.run(
+        podrl_cli("warm-start", str(config), "--base", str(base), "--out", str(out),
+                  "--steps", str(steps), "--lr", str(lr)),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip

@@ -357,7 +357,7 @@ def read_podrl_run(run_dir: Path) -> dict[str, Any]:
 def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any]) -> Path:
     """The random-init folder and its warm-start (kept in the work dir: a second call on a warm
     machine reuses them; the warm-start's steps name its folder)."""
-    from bench.run_env import podrl_cli
+    from bench.run_env import podrl_warm_start
     from bench.vllm_cuda import SHAPES, make_model_folder
 
     base = opts.work_dir / f"base-{opts.shape}"
@@ -370,11 +370,7 @@ def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any
         config = opts.work_dir / f"{warm.name}.yaml"
         config.write_text(yaml.safe_dump({**base_config, "run_dir": str(opts.work_dir / "ws")}))
         start = time.perf_counter()
-        done = subprocess.run(
-            podrl_cli("warm-start", str(config), "--base", str(base), "--out", str(warm),
-                 "--steps", str(opts.warm_steps), "--lr", str(opts.warm_lr)),
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        done = podrl_warm_start(config, base, warm, opts.warm_steps, opts.warm_lr)
         log["warm_start_seconds"] = round(time.perf_counter() - start, 1)
         if done.returncode != 0:
             output = done.stdout[-2000:] + done.stderr[-2000:]
