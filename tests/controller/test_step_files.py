@@ -5,11 +5,9 @@ and a sync touch" gives for the controller (every file that holds a function run
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -18,6 +16,7 @@ import podrl.controller
 from podrl.controller.step.loop import StepParts, SyncSteps
 from tests.controller.fake_pod_loop import RunLoop
 from tests.controller.fake_workers import FakePod
+from tests.harness.file_hook import file_hook
 
 CONTROLLER = Path(podrl.controller.__file__).resolve().parent
 
@@ -41,19 +40,6 @@ class Recorder:
 
     def __init__(self) -> None:
         self.active: list[set[str]] = []
-        self._lock = threading.Lock()
-
-    def _profile(self, sets: list[set[str]]) -> Callable[[FrameType, str, Any], None]:
-        def profile(frame: FrameType, event: str, _arg: Any) -> None:
-            if event != "call":
-                return
-            path = Path(frame.f_code.co_filename)
-            if CONTROLLER in path.parents:
-                with self._lock:
-                    for files in sets:
-                        files.add(path.relative_to(CONTROLLER).as_posix())
-
-        return profile
 
     @contextmanager
     def recording(self, files: set[str], parts: StepParts) -> Iterator[None]:
@@ -64,7 +50,7 @@ class Recorder:
 
         def traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             def run() -> Any:
-                sys.setprofile(self._profile(sets))
+                sys.setprofile(file_hook(CONTROLLER, *sets))
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -73,7 +59,7 @@ class Recorder:
             return submit(run)
 
         parts.pool.submit = traced  # type: ignore[method-assign]
-        sys.setprofile(self._profile(sets))
+        sys.setprofile(file_hook(CONTROLLER, *sets))
         try:
             yield
         finally:

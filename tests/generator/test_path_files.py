@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ from podrl.generator.sleep_mode import SleepMode
 from podrl.generator.worker_extension import WorkerReply
 from podrl.v1 import common_pb2, generator_pb2, weights_pb2
 from tests.generator.appliers import SERVED, signed_applier
+from tests.harness.file_hook import file_hook
 
 GENERATOR = Path(__file__).resolve().parents[2] / "services" / "podrl" / "generator"
 
@@ -110,20 +111,15 @@ class Recorder:
         self._loop = loop
         self.files: set[str] = set()
 
-    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call":
-            path = Path(frame.f_code.co_filename)
-            if path.parent == GENERATOR:
-                self.files.add(path.name)
-
     async def _on_loop_thread(self, hook: Any) -> None:
         sys.setprofile(hook)
 
     @contextmanager
     def recording(self) -> Iterator[set[str]]:
         self.files = set()
-        self._loop.run(self._on_loop_thread(self._profile), 10)
-        sys.setprofile(self._profile)
+        hook = file_hook(GENERATOR, self.files)
+        self._loop.run(self._on_loop_thread(hook), 10)
+        sys.setprofile(hook)
         try:
             yield self.files
         finally:
