@@ -5,6 +5,7 @@ machine (CI has none)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,20 @@ def test_the_evaluation_answers_greedily_in_batches_as_one_prompt_at_a_time(
     ]
     assert batched["accuracy"] == round(sum(p for _, p in scored) / len(items), 4)
     assert batched["reward_mean"] == pytest.approx(sum(r for r, _ in scored) / len(items), abs=1e-4)
+
+
+def test_the_readmes_gpu_figures_are_the_measured_ones() -> None:
+    """README states the committed H200 run: held-out before, and the range after over every
+    podrl run (sync, async, in flight; 3 seeds each)."""
+    root = Path(__file__).resolve().parents[2]
+    rows = json.loads((root / "bench/results/vs_trl_gpu_h200.json").read_text())["rows"]
+    podrl = [row for row in rows if row["system"].startswith("podrl")]
+    before = {round(row["heldout_before"], 2) for row in podrl}
+    after = [row["heldout_after"] for row in podrl]
+    assert len(podrl) == 9 and len(before) == 1
+    claim = (
+        f"raises the held-out accuracy from {before.pop():.2f} to "
+        f"{min(after):.2f}\u2013{max(after):.2f} in sync and async mode"
+    )
+    readme = " ".join((root / "README.md").read_text().split())
+    assert claim in readme, claim
