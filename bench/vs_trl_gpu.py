@@ -15,9 +15,10 @@ trains on, scored with the task's rewards, accuracy = share at the task's pass_t
 Systems (``--systems``): ``podrl-sync``, ``podrl-async`` (``loop.mode: async``,
 ``max_staleness: 1``, the decoupled objective by default), ``podrl-in-flight`` (async with
 ``loop.weight_apply: in_flight``), ``trl``. Each runs once per seed (``--seeds``): the seed is
-podrl's ``loop.sampling.seed`` and ``trainer.seed``, TRL's ``seed``. Runs go ``--concurrency`` at
-a time on the one GPU (small KV caches and vLLM memory fractions), so 3 seeds x 4 systems fit in
-one 10-minute device call.
+podrl's ``loop.sampling.seed`` and ``trainer.seed``, TRL's ``seed`` and its colocated vLLM
+engine's (:func:`colocated_engine`: TRL 1.16 seeds that engine with the process index). Runs
+go ``--concurrency`` at a time on the one GPU (small KV caches and vLLM memory fractions), so 3
+seeds x 4 systems fit in one 10-minute device call.
 
 TRL's defaults changed, and why (JSON ``trl_settings``): the ones the comparison needs equal
 (``learning_rate``, ``lr_scheduler_type: constant_with_warmup`` + ``warmup_steps`` as podrl's
@@ -311,7 +312,7 @@ def row(
         "heldout_before": heldout_before,
         "heldout_after": heldout_after,
     }
-    for name in ("mismatch_kl", "update_ratio"):
+    for name in ("mismatch_kl", "update_ratio", "grad_norm"):
         values = [v for v in drift.get(name, []) if v is not None]
         figures[f"{name}_mean"] = _mean(values)
         figures[f"{name}_max"] = round(max(values), 4) if values else None
@@ -336,8 +337,10 @@ def read_podrl_run(run_dir: Path) -> dict[str, Any]:
         "step_ends": [finished for _, finished in steps],
         "drift": {
             name: [m[name] for m in trained if m.get(name) is not None]
-            for name in ("mismatch_kl", "update_ratio")
+            for name in ("mismatch_kl", "update_ratio", "grad_norm")
         },
+        "zero_std_fraction": [_zero_std_fraction(m) for m, _ in steps if m.get("groups")],
+        "lr_last": trained[-1].get("learning_rate") if trained else None,
         "phase": summary.get("phase"),
         "error": summary.get("error"),
         "steps_trained": summary.get("steps_trained"),
@@ -349,6 +352,13 @@ def read_podrl_run(run_dir: Path) -> dict[str, Any]:
         ],
         "export": summary.get("export"),
     }
+
+
+def _zero_std_fraction(metrics: dict[str, Any]) -> float:
+    """The share of a step's groups dropped for equal rewards: the controller's dropped groups
+    less those dropped for score errors or staleness."""
+    other = metrics.get("groups_dropped_score_errors", 0) + metrics.get("groups_dropped_stale", 0)
+    return (metrics["groups_dropped"] - other) / metrics["groups"]
 
 
 # ---- running the systems -----------------------------------------------------------------------
@@ -433,8 +443,14 @@ def trl_worker(spec_path: Path) -> int:
             )
         ]
 
-    if spec.get("kv_cache_bytes"):
-        _explicit_kv_cache(int(spec["kv_cache_bytes"]))
+    if spec["settings"].get("use_vllm"):
+        from trl.generation import vllm_generation
+
+        colocated_engine(
+            vllm_generation,
+            seed=spec["settings"]["seed"],
+            kv_cache_bytes=int(spec.get("kv_cache_bytes") or 0),
+        )
     ends: list[float] = []
 
     class StepEnds(TrainerCallback):  # type: ignore[misc]
@@ -451,26 +467,43 @@ def trl_worker(spec_path: Path) -> int:
     started = time.time()
     trainer.train()
     trainer.save_model(spec["output_dir"])
-    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    Path(spec["result"]).write_text(
-        json.dumps({"rewards": rewards, "step_ends": ends, "train_started": started})
-    )
+    steps = [entry for entry in trainer.state.log_history if "reward" in entry]
+    result = {"rewards": [entry["reward"] for entry in steps], "step_ends": ends}
+    # What the comparison with podrl's steps needs (docs/cuda.md, "TRL's defaults against
+    # podrl's recipe"): the step's gradient norm before clipping, its learning rate, and the
+    # share of groups whose rewards were all equal (TRL trains them at advantage 0).
+    for name in ("grad_norm", "learning_rate", "frac_reward_zero_std"):
+        result[name] = [entry.get(name) for entry in steps]
+    Path(spec["result"]).write_text(json.dumps({**result, "train_started": started}))
     return 0
 
 
-def _explicit_kv_cache(size: int) -> None:
-    """Give TRL's colocated engine a KV cache of ``size`` bytes (vLLM's
-    ``kv_cache_memory_bytes``, as podrl's ``generator.kv_cache_memory_bytes``). Otherwise vLLM
-    sizes it by profiling the GPU's free memory, which counts what the runs beside it allocate
-    meanwhile and can leave no room for the cache; sampling is unchanged."""
-    from trl.generation import vllm_generation
+def colocated_engine(module: Any, *, seed: int, kv_cache_bytes: int = 0) -> None:
+    """Build TRL's colocated vLLM engine (``module.LLM``, the name ``trl.generation.
+    vllm_generation`` calls) seeded with the run's ``seed``, and with a KV cache of
+    ``kv_cache_bytes`` when non-zero.
 
-    engine = vllm_generation.LLM
+    The seed: TRL 1.16 builds the engine with ``seed=accelerator.process_index //
+    tensor_parallel_size`` whatever ``GRPOConfig.seed`` is, and vLLM's worker then seeds torch's
+    global RNGs with it, which its sampler draws from (requests carry no seed of their own); so
+    every run sampled the same completions and three seeds were one run. The run's seed is added
+    to TRL's value, so the ranks of a TP group still share one. ``generation_kwargs={"seed": s}``
+    is not the fix: TRL sends each prompt ``num_generations`` times with one ``SamplingParams``,
+    and a per-request seed would give the copies identical completions.
 
-    def with_kv_cache(*args: Any, **kwargs: Any) -> Any:
-        return engine(*args, **kwargs, kv_cache_memory_bytes=size)
+    The KV cache (vLLM's ``kv_cache_memory_bytes``, as podrl's
+    ``generator.kv_cache_memory_bytes``): otherwise vLLM sizes it by profiling the GPU's free
+    memory, which counts what the runs beside it allocate meanwhile and can leave no room for
+    the cache; sampling is unchanged."""
+    engine = module.LLM
 
-    vllm_generation.LLM = with_kv_cache
+    def seeded(*args: Any, **kwargs: Any) -> Any:
+        kwargs["seed"] = seed + int(kwargs.get("seed") or 0)
+        if kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        return engine(*args, **kwargs)
+
+    module.LLM = seeded
 
 
 @dataclass
@@ -528,6 +561,7 @@ def run_podrl(shared: Shared, system: str, seed: int) -> dict[str, Any]:
         heldout_before=shared.heldout_before,
         heldout_after=after,
         drift=figures.pop("drift"),
+        zero_std_fraction=_mean(figures.pop("zero_std_fraction")),
         exit_code=exit_code,
         wall_s=round(time.time() - start, 1),
         **{k: v for k, v in figures.items() if k != "export"},
@@ -569,6 +603,7 @@ def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             exit_code = f"timed out after {opts.run_timeout:.0f} s"
     result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    zero_std = result.get("frac_reward_zero_std", [])
     model = out / "model"
     after = shared.evaluate(model) if (model / "config.json").is_file() else None
     shutil.rmtree(model, ignore_errors=True)
@@ -580,6 +615,9 @@ def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
         samples_per_step=_samples_per_step(shared.config),
         heldout_before=shared.heldout_before,
         heldout_after=after,
+        drift={"grad_norm": result.get("grad_norm", [])},
+        zero_std_fraction=_mean([f for f in zero_std if f is not None]),
+        lr_last=(result.get("learning_rate") or [None])[-1],
         exit_code=exit_code,
         wall_s=round(time.time() - start, 1),
     )

@@ -6,6 +6,9 @@ machine (CI has none)."""
 from __future__ import annotations
 
 import json
+import sqlite3
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,78 @@ def test_the_readmes_gpu_figures_are_the_measured_ones() -> None:
     )
     readme = " ".join((root / "README.md").read_text().split())
     assert claim in readme, claim
+
+
+def test_each_trl_run_seeds_its_colocated_vllm_engine_with_the_runs_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL 1.16 builds its colocated engine with seed = process index // TP whatever
+    GRPOConfig.seed is, so runs of different seeds sampled alike: the TRL worker (with fakes of
+    TRL and datasets, which CI lacks) must hand the run's seed to the engine TRL builds."""
+    built: list[dict[str, object]] = []
+
+    def llm(**kwargs: object) -> None:  # vLLM's LLM as TRL's module names it
+        built.append(kwargs)
+
+    vllm_generation = types.SimpleNamespace(LLM=llm)
+
+    class GRPOTrainer:  # builds its engine as TRL 1.16 does (process 0, TP 1), trains nothing
+        def __init__(self, args: types.SimpleNamespace, **_: object) -> None:
+            vllm_generation.LLM(model="m", seed=0 // 1, gpu_memory_utilization=0.05)
+            self.state = types.SimpleNamespace(log_history=[])
+
+        def train(self) -> None: ...
+
+        def save_model(self, path: str) -> None: ...
+
+    trl = types.ModuleType("trl")
+    trl.GRPOConfig = types.SimpleNamespace  # type: ignore[attr-defined]
+    trl.GRPOTrainer = GRPOTrainer  # type: ignore[attr-defined]
+    datasets = types.ModuleType("datasets")
+    datasets.Dataset = types.SimpleNamespace(from_list=list)  # type: ignore[attr-defined]
+    generation = types.ModuleType("trl.generation")
+    generation.vllm_generation = vllm_generation  # type: ignore[attr-defined]
+    for name, module in (("trl", trl), ("trl.generation", generation), ("datasets", datasets)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", vllm_generation)
+    config = _recipe(steps=1)
+    for seed in (1, 2):
+        settings = vs_trl_gpu.trl_settings(config, seed, vs_trl_gpu.Options())
+        spec = tmp_path / f"spec-{seed}.json"
+        spec.write_text(json.dumps({
+            "config": config, "model": "m", "output_dir": str(tmp_path), "prompts": [],
+            "result": str(tmp_path / "result.json"), "settings": settings,
+            "kv_cache_bytes": 1 << 29,
+        }))  # fmt: skip
+        vllm_generation.LLM = llm
+        assert vs_trl_gpu.trl_worker(spec) == 0
+    assert [b["seed"] for b in built] == [1, 2]
+    assert all(b["kv_cache_memory_bytes"] == 1 << 29 for b in built)
+
+
+def test_the_ranks_of_a_tp_group_keep_one_engine_seed() -> None:
+    built: list[object] = []
+    module = types.SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs["seed"]))
+    vs_trl_gpu.colocated_engine(module, seed=5)
+    for tp_group in (0, 0, 1):  # TRL's process_index // tensor_parallel_size
+        module.LLM(seed=tp_group)
+    assert built == [5, 5, 6]
+
+
+def test_a_podrl_run_gives_the_figures_trls_steps_are_compared_with(tmp_path: Path) -> None:
+    """Gradient norm, last learning rate and the share of groups dropped for equal rewards
+    (not those dropped for score errors or staleness), from the run's step records."""
+    steps = [
+        {"reward_mean": 0.5, "update_ratio": 1e-4, "grad_norm": 0.4, "learning_rate": 1e-5,
+         "groups": 16, "groups_dropped": 6, "groups_dropped_stale": 2},
+        {"reward_mean": 0.9, "update_ratio": 2e-4, "grad_norm": 0.2, "learning_rate": 5e-6,
+         "groups": 16, "groups_dropped": 12, "groups_dropped_score_errors": 4},
+    ]  # fmt: skip
+    with sqlite3.connect(tmp_path / "controller.sqlite") as db:
+        db.execute("CREATE TABLE steps (step INTEGER, metrics TEXT, finished_at REAL)")
+        for i, metrics in enumerate(steps):
+            db.execute("INSERT INTO steps VALUES (?, ?, ?)", (i, json.dumps(metrics), 10.0 + i))
+    (tmp_path / "summary.json").write_text(json.dumps({"phase": "finished"}))
+    figures = vs_trl_gpu.read_podrl_run(tmp_path)
+    assert figures["zero_std_fraction"] == [0.25, 0.5]
+    assert figures["drift"]["grad_norm"] == [0.4, 0.2] and figures["lr_last"] == 5e-6
