@@ -6,7 +6,7 @@ comma := ,
 STAMP := $(VENV)/.podrl-installed
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo test lint proto clean images k8s
+.PHONY: setup demo test lint proto clean images k8s device-wheels trl-wheels
 
 setup: $(STAMP)
 
@@ -156,6 +156,14 @@ test-containers: setup
 # Re-render the plain manifests in k8s/ from helm/podrl (tests/k8s checks they do not drift).
 k8s: setup
 	$(BIN)/python -m podrl.tools.render_k8s
+
+# The wheel folders the GPU machine's device calls carry (docs/cuda.md): .device-wheels/ for
+# podrl's services, .trl-wheels/ for bench/vs_trl_gpu.py's TRL side (CPython 3.12 wheels).
+# Needs pip and an index (the venv's pip when .venv exists); installs nothing here.
+device-wheels:
+	PATH=$(CURDIR)/$(BIN):$$PATH bash bench/device_wheels.sh
+trl-wheels:
+	PATH=$(CURDIR)/$(BIN):$$PATH bash bench/trl_wheels.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -4,8 +4,9 @@
 # together: docs/cuda.md, section 4),
 #   bash bench/vs_trl_gpu_device.sh [bench/vs_trl_gpu.py options]
 # carry [".vp3", ".trl-wheels"]: .trl-wheels/ holds TRL and the three packages the machine lacks
-# for it (trl 1.16.0, datasets 4.8.5, multiprocess 0.70.19, dill 0.4.1; pip download as in
-# docs/cuda.md). Writes $OUT/vs_trl_gpu.json, the printed table and the runs' logs (one tar).
+# for it (trl 1.16.0, datasets 4.8.5, multiprocess 0.70.19, dill 0.4.1), built here by
+# `make trl-wheels` (bench/trl_wheels.sh). Writes $OUT/vs_trl_gpu.json, the printed table and
+# the runs' logs (one tar).
 set -uo pipefail
 out=${OUT:-/tmp/vs-trl-out}
 mkdir -p "$out"
