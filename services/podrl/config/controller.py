@@ -46,6 +46,14 @@ class ControllerConfig(ServiceSection):
         "call per pod at once: Generate, Score, Train, ApplyWeights): a step with more pods "
         "than this sends the rest as threads free up.",
     )
+    episode_view_chars: int = Field(
+        20_000,
+        ge=1_000,
+        le=1_000_000,
+        description="Characters of text the latest episode shows in all (/v1/episodes/latest "
+        "and the dashboard: its prompt, each turn's action and reply, its error), shared "
+        "evenly by its texts, each at least 32; a longer text is cut.",
+    )
 
     @model_validator(mode="after")
     def _check_pod_counts(self) -> ControllerConfig:

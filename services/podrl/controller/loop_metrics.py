@@ -114,3 +114,23 @@ EVAL_TASK_ACCURACY = Gauge(
     "podrl_eval_task_accuracy", "Held-out accuracy of the last evaluation, by task.", ["task"]
 )
 EVALS = Gauge("podrl_evaluations", "Evaluations recorded in this run.")
+
+# Multi-turn episodes (controller/rollout/episode_figures.py updates them as they play).
+EPISODES_IN_FLIGHT = Gauge("podrl_episodes_in_flight", "Episodes being played now.")
+EPISODES = Counter(
+    "podrl_episodes_total",
+    "Episodes that ended, by outcome (ended: played to their end; failed: the environment "
+    "failed them, never trained).",
+    ["outcome"],
+)
+EPISODE_TURNS = Counter("podrl_episode_turns_total", "Turns of episodes played.")
+EPISODE_TOOL_CALLS = Counter("podrl_episode_tool_calls_total", "Tool calls of episodes' turns.")
+EPISODE_TOOL_ERRORS = Counter(
+    "podrl_episode_tool_errors_total", "Tool calls of episodes' turns that failed."
+)
+EPISODE_ENVIRONMENT_SECONDS = Histogram(
+    "podrl_episode_environment_seconds",
+    "The environment's time per turn (its Step, and Reset on the first turn) as the controller "
+    "waited for it.",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60),
+)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -83,6 +83,8 @@ class EpisodeOutcome:
     prompt_id: str
     index: int
     episode: Episode | None = None
+    prompt: str = ""
+    """The first turn's prompt text: the task's prompt and Reset's observation."""
     reward: float = 0.0
     error: str = ""
     """Why the environment failed the episode; such an episode is never trained."""
@@ -136,6 +138,15 @@ class EpisodeSettings:
     """Deadline of each Generate, Tokenize and environment call."""
 
 
+class EpisodeWatcher(Protocol):
+    """Follows the episodes as they play: the run's live figures
+    (``controller/rollout/episode_figures.py``)."""
+
+    def started(self) -> None: ...
+    def turn(self, turn: Turn) -> None: ...
+    def finished(self, outcome: EpisodeOutcome) -> None: ...
+
+
 class EpisodeRunner:
     """Plays the episodes of a step over one generator and one environment service."""
 
@@ -144,10 +155,12 @@ class EpisodeRunner:
         generator: generator_pb2_grpc.GeneratorStub,
         environment: environment_pb2_grpc.EnvironmentStub,
         settings: EpisodeSettings,
+        watcher: EpisodeWatcher | None = None,
     ) -> None:
         self.generator = generator
         self.environment = environment
         self.settings = settings
+        self.watcher = watcher
 
     def run(
         self,
@@ -178,6 +191,8 @@ class EpisodeRunner:
     ) -> EpisodeOutcome:
         """One episode, start to end; the environment's session is closed whatever happens."""
         outcome = EpisodeOutcome(episode_id=episode_id, prompt_id=item.id, index=index)
+        if self.watcher is not None:
+            self.watcher.started()
         try:
             self._play(item, outcome, seed)
         except _EnvironmentFailedError as err:
@@ -191,6 +206,8 @@ class EpisodeRunner:
                     environment_pb2.CloseRequest(episode_id=episode_id),
                     timeout=self.settings.timeout_seconds,
                 )
+            if self.watcher is not None:
+                self.watcher.finished(outcome)
         return outcome
 
     def _play(self, item: PromptItem, outcome: EpisodeOutcome, seed: int | None) -> None:
@@ -208,10 +225,11 @@ class EpisodeRunner:
             ),
         )
         reset_seconds = time.monotonic() - started
+        outcome.prompt = item.prompt + reset.observation
         episode: Episode | None = None
         for _ in range(s.max_turns):
             if episode is None:  # the first turn: the prompt as text, its ids come back
-                prompt = common_pb2.Prompt(id=item.id, text=item.prompt + reset.observation)
+                prompt = common_pb2.Prompt(id=item.id, text=outcome.prompt)
                 budget = s.sampling.max_tokens
             else:
                 prompt = common_pb2.Prompt(id=item.id, token_ids=episode.token_ids)
@@ -246,6 +264,8 @@ class EpisodeRunner:
                 environment_seconds=seconds,
             )
             outcome.turns.append(turn)
+            if self.watcher is not None:
+                self.watcher.turn(turn)
             if reply.done:
                 outcome.ended = "truncated" if reply.truncated else "done"
                 return
@@ -367,10 +387,12 @@ class EpisodePhases(WorkerPhases):
         table: PodTable,
         tasks: Sequence[TaskConfig],
         environments: EnvironmentsConfig,
+        watcher: EpisodeWatcher | None = None,
     ) -> None:
         super().__init__(clients, pool, table)
         self.tasks = {task.name: task for task in tasks if task.environment is not None}
         self.environments = environments
+        self.watcher = watcher
 
     def generate(
         self,
@@ -469,6 +491,7 @@ class EpisodePhases(WorkerPhases):
                 episodes_in_flight=config.episodes_in_flight,
                 timeout_seconds=self.clients.long,
             ),
+            self.watcher,
         )
 
     def score(self, data: StepSamples, pods: list[Pod]) -> None:

@@ -108,9 +108,14 @@ def build_loop(
     phases = WorkerPhases(clients, pool, table)
     if any(task.environment is not None for task in config.tasks.definitions):
         # Imported only here: a single-turn run's step runs no episode code.
+        from podrl.controller.rollout.episode_figures import EpisodeFigures
         from podrl.controller.rollout.episodes import EpisodePhases
 
-        phases = EpisodePhases(clients, pool, table, config.tasks.definitions, config.environments)
+        figures = EpisodeFigures(config.controller.episode_view_chars)
+        state.follow_episodes(figures.view, figures.latest)
+        phases = EpisodePhases(
+            clients, pool, table, config.tasks.definitions, config.environments, figures
+        )
     weights = WeightSync(
         clients,
         pool,

@@ -31,7 +31,13 @@ from podrl.common.auth import REST_CHANGE_ROLES, Caller, RunSecret
 from podrl.controller.pods.scaling import ReplicaScaler, ScaleError
 from podrl.controller.records.evaluation import EvalView
 from podrl.controller.records.recorder import RunStore, stored_evaluations
-from podrl.controller.service.status import RunState, RunStatusView, StepView, WorkerView
+from podrl.controller.service.status import (
+    LatestEpisodeView,
+    RunState,
+    RunStatusView,
+    StepView,
+    WorkerView,
+)
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +213,21 @@ def build_rest_app(
     @app.get("/v1/status", response_model=RunStatusView, summary="The run's status.")
     def status() -> RunStatusView:
         return state.view()
+
+    @app.get(
+        "/v1/episodes/latest",
+        response_model=LatestEpisodeView,
+        summary="The latest episode that ended, turn by turn.",
+        description="Its prompt, each turn's sampled text (trained) and the environment's "
+        "reply (not trained), the reward or the environment's error. The texts are cut to "
+        "controller.episode_view_chars in all and their control characters escaped.",
+        responses={404: {"description": "No episode has ended yet, or no task names one."}},
+    )
+    def latest_episode() -> LatestEpisodeView:
+        latest = state.latest_episode()
+        if latest is None:
+            raise HTTPException(404, "no episode has ended yet (or no task names an environment)")
+        return latest
 
     @app.get("/v1/workers", response_model=list[WorkerView], summary="Registered processes.")
     def workers() -> list[WorkerView]:

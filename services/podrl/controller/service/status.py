@@ -82,6 +82,64 @@ class RolloutView(BaseModel):
         )
 
 
+class EpisodeFiguresView(BaseModel):
+    """The episodes of a run whose tasks name an environment, live: the episode runner reports
+    each start, turn and end as it happens (``controller/rollout/episode_figures.py``)."""
+
+    in_flight: int = Field(0, description="Episodes being played now.")
+    finished: int = Field(0, description="Episodes played to their end, over the run.")
+    failed: int = Field(
+        0, description="Episodes the environment failed (never trained), over the run."
+    )
+    turns: int = Field(0, description="Turns played, over the run (those in flight included).")
+    tool_calls: int = Field(0, description="Tool calls the environment ran, over the run.")
+    tool_errors: int = Field(0, description="Tool calls that failed, over the run.")
+    environment_seconds_mean: float | None = Field(
+        None,
+        description="The environment's time per turn (its Step, and Reset on the first "
+        "turn) as the controller waited for it, over the run; null before the first turn.",
+    )
+    environment_seconds_max: float | None = Field(
+        None, description="The longest of those waits; null before the first turn."
+    )
+
+
+class EpisodeTextView(BaseModel):
+    """A text of an episode as the status shows it: cut and with its control characters
+    escaped (``controller.episode_view_chars``)."""
+
+    text: str = Field(description="The text's start, each control character as \\xNN or \\uNNNN.")
+    chars: int = Field(description="Characters of the whole text.")
+    truncated: bool = Field(description="The text shown is only the start of it.")
+
+
+class EpisodeTurnView(BaseModel):
+    action: EpisodeTextView = Field(description="What the model sampled: trained (mask 1).")
+    sampled_tokens: int
+    observation: EpisodeTextView = Field(
+        description="The environment's reply: not trained (mask 0); empty on the last turn."
+    )
+    reply_tokens: int
+    tool_calls: int
+    tool_errors: int
+    environment_seconds: float
+
+
+class LatestEpisodeView(BaseModel):
+    """The latest episode that ended (played to its end or failed by its environment)."""
+
+    episode_id: str = Field(description="step:prompt id#index.")
+    prompt_id: str
+    prompt: EpisodeTextView = Field(
+        description="The first turn's prompt (the task's prompt and Reset's observation)."
+    )
+    prompt_tokens: int
+    turns: list[EpisodeTurnView]
+    reward: float | None = Field(description="The environment's last reward; null when failed.")
+    ended: str = Field(description="done, truncated, tokens, or empty when it failed.")
+    error: EpisodeTextView | None = Field(description="Why the environment failed it.")
+
+
 #: Drift warnings kept for the status (a run that drifts for long would grow the list).
 MAX_WARNINGS = 20
 
@@ -120,6 +178,11 @@ class RunStatusView(BaseModel):
     rollout: RolloutView = Field(
         default_factory=RolloutView,
         description="The rollout buffer of async mode: fill, staleness, stale drops.",
+    )
+    episodes: EpisodeFiguresView | None = Field(
+        None,
+        description="Episodes of the tasks that name an environment, live (null when no task "
+        "names one).",
     )
     warnings: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -188,6 +251,8 @@ class RunState:
         self.warnings: list[dict[str, Any]] = []
         self._buffer_fill: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(steps, groups) in the rollout buffer (async mode's producer answers it)."""
+        self._episodes: Callable[[], EpisodeFiguresView] | None = None
+        self._latest_episode: Callable[[], LatestEpisodeView | None] = lambda: None
 
     def follow_loop(
         self, phase: Callable[[], str], buffer_fill: Callable[[], tuple[int, int]] | None = None
@@ -199,6 +264,23 @@ class RunState:
             self._phase = phase
             if buffer_fill is not None:
                 self._buffer_fill = buffer_fill
+
+    def follow_episodes(
+        self,
+        figures: Callable[[], EpisodeFiguresView],
+        latest: Callable[[], LatestEpisodeView | None],
+    ) -> None:
+        """The episode runner's figures own the live episode figures and the latest episode
+        (a run whose tasks name an environment): status reads them there."""
+        with self._lock:
+            self._episodes, self._latest_episode = figures, latest
+
+    def latest_episode(self) -> LatestEpisodeView | None:
+        """The latest episode that ended; None before one did, or when no task names an
+        environment."""
+        with self._lock:
+            latest = self._latest_episode
+        return latest()
 
     @property
     def phase(self) -> str:
@@ -271,8 +353,9 @@ class RunState:
         epoch = table.epoch
         desired = table.desired_replicas()
         with self._lock:
-            buffer_fill = self._buffer_fill
+            buffer_fill, episodes = self._buffer_fill, self._episodes
         buffer_steps, buffer_groups = buffer_fill()
+        episode_figures = None if episodes is None else episodes()
         with self._lock:
             rollout = self.rollout.model_copy(
                 update={"buffer_steps": buffer_steps, "buffer_groups": buffer_groups}
@@ -302,6 +385,7 @@ class RunState:
                 last_eval=dict(self.last_eval) if self.last_eval is not None else None,
                 evaluations=self.evaluations,
                 rollout=rollout,
+                episodes=episode_figures,
                 warnings=[dict(w) for w in self.warnings],
             )
 
