@@ -10,9 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
@@ -28,81 +26,9 @@ from podrl.controller.service.status import RunState
 from podrl.controller.step.pod_calls import WorkerClients
 from podrl.environments.episode import Episode
 from podrl.tasks import PromptItem, build_task_source
-from podrl.v1 import common_pb2, environment_pb2, generator_pb2
+from podrl.v1 import common_pb2
+from tests.controller.episode_stand_ins import TURNS, StandInEnvironment, StandInGenerator
 from tests.controller.fake_pod_loop import loop_config
-
-TURNS = 3
-
-
-class StandInGenerator:
-    """Generate: two tokens per turn over whatever prefix; Tokenize: one id per character."""
-
-    def Generate(self, request: Any, timeout: float) -> Any:
-        prompt = request.prompts[0]
-        ids = list(prompt.token_ids) or [ord(c) for c in prompt.text]
-        sample = common_pb2.Sample(
-            prompt_id=prompt.id,
-            prompt_token_ids=ids,
-            token_ids=[7, 8],
-            logprobs=[-0.5, -0.25],
-            text="<calc>1+1</calc>",
-            policy_version=4,
-            last_policy_version=4,
-        )
-        return generator_pb2.GenerateResponse(samples=[sample], policy_version=4)
-
-    def Tokenize(self, request: Any, timeout: float) -> Any:
-        return generator_pb2.TokenizeResponse(
-            tokens=[generator_pb2.TokenIds(ids=[ord(c) for c in t]) for t in request.texts]
-        )
-
-
-class Refused(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
-
-    def details(self) -> str:
-        return "the worker died (exit code 3)"
-
-
-class StandInEnvironment:
-    """Three turns, one tool call each (the second a failed one); Step of turn ``hold_turn``
-    waits for ``release``; a prompt starting with FAIL fails its episode there."""
-
-    def __init__(self, hold_turn: int = 0) -> None:
-        self.hold_turn = hold_turn
-        self.release = threading.Event()
-        self.held = 0
-        self.turns: dict[str, int] = {}
-        self.prompts: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def Reset(self, request: Any, timeout: float) -> Any:
-        self.turns[request.episode_id] = 0
-        self.prompts[request.episode_id] = request.prompt
-        return environment_pb2.ResetResponse(observation="")
-
-    def Step(self, request: Any, timeout: float) -> Any:
-        self.turns[request.episode_id] += 1
-        turn = self.turns[request.episode_id]
-        if turn == self.hold_turn:
-            with self._lock:
-                self.held += 1
-            assert self.release.wait(10)
-            if self.prompts[request.episode_id].startswith("FAIL"):
-                raise Refused()
-        done = turn == TURNS
-        return environment_pb2.StepResponse(
-            observation="" if done else "<result>2</result>",
-            reward=1.0 if done else 0.0,
-            done=done,
-            turn=turn,
-            tool_calls=1,
-            tool_errors=int(turn == 2),
-        )
-
-    def Close(self, request: Any, timeout: float) -> Any:
-        return environment_pb2.CloseResponse(closed=True)
 
 
 def _runner(environment: StandInEnvironment, figures: EpisodeFigures) -> EpisodeRunner:

@@ -73,6 +73,13 @@ class Turn:
     tool_calls: int
     tool_errors: int
     environment_seconds: float
+    policy_version: int = 0
+    """The version served when the turn's Generate began: every token of the turn is recorded
+    with it (the oldest that may have sampled any of them)."""
+    last_policy_version: int = 0
+    """The version served when the turn's request finished: above ``policy_version`` when a
+    weight update landed in flight during the turn (its later tokens came from newer weights;
+    which ones the generator does not say)."""
 
 
 @dataclass
@@ -262,6 +269,8 @@ class EpisodeRunner:
                 tool_calls=reply.tool_calls,
                 tool_errors=reply.tool_errors,
                 environment_seconds=seconds,
+                policy_version=sample.policy_version,
+                last_policy_version=max(sample.policy_version, sample.last_policy_version),
             )
             outcome.turns.append(turn)
             if self.watcher is not None:
@@ -347,7 +356,11 @@ def episode_sample(outcome: EpisodeOutcome) -> common_pb2.Sample:
     sample.text = "".join(turn.action + turn.observation for turn in outcome.turns)
     sample.finish_reason = common_pb2.FINISH_REASON_STOP
     sample.policy_version = episode.oldest_version
-    sample.last_policy_version = max(versions)
+    # The newest version that may have sampled a token: a turn that an in-flight update
+    # landed in reached its last_policy_version, which no token is recorded with.
+    sample.last_policy_version = max(
+        max(versions), max(turn.last_policy_version for turn in outcome.turns)
+    )
     return sample
 
 

@@ -226,8 +226,13 @@ def train_request(
 
 def group_version(data: StepSamples, prompt_id: str) -> int:
     """The policy version that sampled a prompt's group (one Generate call: one version; with
-    in-flight weight updates the oldest of its versions, the one staleness is judged by)."""
-    return data.samples[prompt_id][0].policy_version
+    in-flight weight updates the oldest of its versions, the one staleness is judged by). The
+    episodes of a group are separate calls, each its own oldest version: the group's is the
+    oldest of them (an episode that failed before its first turn sampled nothing)."""
+    samples = data.samples[prompt_id]
+    return min(
+        (s.policy_version for s in samples if s.token_ids), default=samples[0].policy_version
+    )
 
 
 def last_version(sample: common_pb2.Sample) -> int:
