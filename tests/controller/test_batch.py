@@ -181,3 +181,21 @@ def test_a_sample_spanning_versions_is_judged_by_its_oldest() -> None:
     assert split.staleness == {"old": 2, "mid": 1, "one": 0}
     assert split.figures()["samples_spanning_versions"] == 2
     assert last_version(data.samples["one"][0]) == 7
+
+
+def test_equal_reward_groups_can_be_trained_at_advantage_0_as_trl_does() -> None:
+    """loop.keep_equal_reward_groups: the group counts in the loss's normaliser; its advantages
+    are 0, so it adds no gradient; the other groups' advantages are unchanged."""
+    data = _step({"a": [(1.0, 0), (1.0, 0), (1.0, 0)], "b": [(1.0, 0), (0.0, 0), (1.0, 0)]})
+    dropped = build_batch(data, normalize_std=True, min_valid_per_group=2)
+    kept = build_batch(
+        data, normalize_std=True, min_valid_per_group=2, keep_equal_reward_groups=True
+    )
+    assert [s.sample_id for s in kept.sequences] == ["a#0", "a#1", "a#2"] + [
+        s.sample_id for s in dropped.sequences
+    ]
+    assert [s.advantage for s in kept.sequences[:3]] == [0.0, 0.0, 0.0]
+    assert [s.advantage for s in kept.sequences[3:]] == [s.advantage for s in dropped.sequences]
+    assert (kept.stats["groups_dropped"], dropped.stats["groups_dropped"]) == (0, 1)
+    assert kept.stats["groups_equal_reward"] == dropped.stats["groups_equal_reward"] == 1
+    assert kept.stats["sequences_trained"] == 6

@@ -130,6 +130,13 @@ class LoopConfig(Section):
     normalize_advantages_std: bool = Field(
         True, description="Divide advantages by the group's reward std (GRPO); False = Dr. GRPO."
     )
+    keep_equal_reward_groups: bool = Field(
+        False,
+        description="Send a group whose rewards are all equal to the trainer at advantage 0 "
+        "instead of dropping it, as TRL's GRPOTrainer does: it adds no gradient but counts in "
+        "the loss's normaliser (sequences or tokens), so a step whose groups are mostly solved "
+        "takes a smaller step. False = dropped (DAPO's filter).",
+    )
     checkpoint_every: int = Field(
         10, ge=0, description="Save a trainer checkpoint every k steps (0 = only at the end)."
     )

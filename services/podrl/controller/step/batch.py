@@ -79,7 +79,8 @@ class TrainBatch:
     samples (None when there are none), score_errors (failed samples), score_errors_by_kind,
     dropped_samples (samples left out because of score errors: the failed ones and the valid
     ones of groups that fell below the minimum), groups, groups_dropped (for any reason),
-    groups_dropped_score_errors, sequences_trained."""
+    groups_dropped_score_errors, groups_equal_reward (groups whose valid rewards were all
+    equal, dropped or trained at advantage 0), sequences_trained."""
 
 
 def check_score_errors(data: StepSamples, max_error_rate: float) -> None:
@@ -110,8 +111,16 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: int) -> TrainBatch:
-    """Advantages over the validly scored samples of each group, and the step's figures."""
+def build_batch(
+    data: StepSamples,
+    *,
+    normalize_std: bool,
+    min_valid_per_group: int,
+    keep_equal_reward_groups: bool = False,
+) -> TrainBatch:
+    """Advantages over the validly scored samples of each group, and the step's figures. A
+    group whose rewards are all equal is dropped, or with ``keep_equal_reward_groups`` trained
+    at advantage 0 (``loop.keep_equal_reward_groups``)."""
     valid: dict[str, list[common_pb2.Sample]] = {}
     too_few: set[str] = set()
     errors: Counter[str] = Counter()
@@ -138,9 +147,11 @@ def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: 
     sequences = []
     for item in data.items:
         group = advantages.get(item.id)
-        if group is None or group.dropped:
+        if group is None or (group.dropped and not keep_equal_reward_groups):
             continue
-        for sample, advantage in zip(valid[item.id], group.advantages, strict=True):
+        # A valid group (at least two rewards) is dropped only for equal rewards.
+        values = (0.0,) * len(valid[item.id]) if group.dropped else group.advantages
+        for sample, advantage in zip(valid[item.id], values, strict=True):
             sequences.append(
                 trainer_pb2.TrainSequence(
                     sample_id=sample_id(item.id, sample.index),
@@ -167,7 +178,9 @@ def build_batch(data: StepSamples, *, normalize_std: bool, min_valid_per_group: 
         "score_errors_by_kind": dict(errors),
         "dropped_samples": dropped_samples,
         "groups": len(data.items),
-        "groups_dropped": len(too_few) + sum(g.dropped for g in advantages.values()),
+        "groups_dropped": len(too_few)
+        + (0 if keep_equal_reward_groups else sum(g.dropped for g in advantages.values())),
+        "groups_equal_reward": sum(g.dropped for g in advantages.values()),
         "groups_dropped_score_errors": len(too_few),
         "sequences_trained": len(sequences),
     }

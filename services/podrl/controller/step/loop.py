@@ -178,6 +178,7 @@ class StepParts:
             data,
             normalize_std=self.loop_config.normalize_advantages_std,
             min_valid_per_group=self.loop_config.min_valid_samples_per_group,
+            keep_equal_reward_groups=self.loop_config.keep_equal_reward_groups,
         )
 
     def train_batch(
