@@ -77,6 +77,8 @@ class Options:
 
 def run_config(opts: Options, mode: str, model: Path, run_dir: Path) -> dict[str, Any]:
     """examples/gpu.yaml for one run: its run dir, model folders, memory mode and device."""
+    from bench.run_env import set_steps
+
     cuda = opts.device == "cuda"
     eager = (not cuda) if opts.enforce_eager is None else opts.enforce_eager
     config: dict[str, Any] = yaml.safe_load(RECIPE.read_text())
@@ -92,7 +94,7 @@ def run_config(opts: Options, mode: str, model: Path, run_dir: Path) -> dict[str
     loop = config["loop"]
     loop.update(checkpoint_every=0, export_at_end=False, generator_memory=mode)
     if opts.steps is not None:
-        loop["steps"] = opts.steps
+        set_steps(config, opts.steps)
     if opts.eval_prompts is not None:
         loop["eval_prompts"] = opts.eval_prompts
     if opts.temperature is not None:

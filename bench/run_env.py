@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -14,6 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 # in seconds (the benchmarks time steps, not the engine's start).
 CUDA_GENERATOR: dict[str, object] = {"dtype": "bfloat16", "enforce_eager": True}
 CUDA_TRAINER: dict[str, object] = {"compile_layers": False}
+
+
+def set_steps(config: dict[str, Any], steps: int) -> None:
+    """``loop.steps`` of a recipe set to ``steps``, its ``trainer.warmup_steps`` scaled with it
+    (rounded down): a short rehearsal of a recipe keeps the warmup's share of the run, and a
+    decaying schedule, which must end its warmup before the last step, still loads."""
+    recipe_steps = config["loop"]["steps"]
+    warmup = config.get("trainer", {}).get("warmup_steps")
+    config["loop"]["steps"] = steps
+    if warmup:
+        config["trainer"]["warmup_steps"] = warmup * steps // recipe_steps
 
 
 def pythonpath() -> str:

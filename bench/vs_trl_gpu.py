@@ -21,9 +21,9 @@ go ``--concurrency`` at a time on the one GPU (small KV caches and vLLM memory f
 seeds x 4 systems fit in one 10-minute device call.
 
 TRL's defaults changed, and why (JSON ``trl_settings``): the ones the comparison needs equal
-(``learning_rate``, ``lr_scheduler_type: constant_with_warmup`` + ``warmup_steps`` as podrl's
-constant schedule after its warmup, TRL's default decays linearly to 0; ``loss_type: grpo``, as
-podrl's ``trainer.loss_mode``; ``temperature``, ``max_completion_length``, the stop string,
+(``learning_rate``, ``warmup_steps``, ``lr_scheduler_type`` of podrl's ``trainer.lr_schedule``:
+the recipe's ``linear`` is TRL's default; ``loss_type: grpo``, as podrl's
+``trainer.loss_mode``; ``temperature``, ``max_completion_length``, the stop string,
 ``num_generations`` and a batch of ``prompts_per_step * n`` completions per optimizer step,
 ``shuffle_dataset: false`` for the same prompt order, ``seed``, ``max_steps``); and the ones a
 shared GPU needs (``vllm_gpu_memory_utilization``, ``vllm_max_model_length``; logging every
@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sqlite3
 import statistics
@@ -132,10 +133,13 @@ def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
 
 def recipe(opts: Options) -> dict[str, Any]:
     """The recipe (examples/gpu.yaml) with the options' overrides, on ``opts.device``."""
+    from bench.run_env import set_steps
+
     config = yaml.safe_load(opts.recipe.read_text())
     config["device"] = opts.device
+    if opts.steps is not None:
+        set_steps(config, opts.steps)
     overrides = {
-        "loop.steps": opts.steps,
         "trainer.lr": opts.lr,
         "trainer.warmup_steps": opts.warmup,
         "loop.sampling.temperature": opts.temperature,
@@ -355,8 +359,11 @@ def read_podrl_run(run_dir: Path) -> dict[str, Any]:
 
 
 def _zero_std_fraction(metrics: dict[str, Any]) -> float:
-    """The share of a step's groups dropped for equal rewards: the controller's dropped groups
-    less those dropped for score errors or staleness."""
+    """The share of a step's groups whose rewards were all equal (``groups_equal_reward``;
+    records written before it: the dropped groups less those dropped for score errors or
+    staleness)."""
+    if "groups_equal_reward" in metrics:
+        return metrics["groups_equal_reward"] / metrics["groups"]
     other = metrics.get("groups_dropped_score_errors", 0) + metrics.get("groups_dropped_stale", 0)
     return (metrics["groups_dropped"] - other) / metrics["groups"]
 
@@ -388,6 +395,31 @@ def prepare_model(opts: Options, base_config: dict[str, Any], log: dict[str, Any
     return warm
 
 
+#: podrl's ``trainer.lr_schedule`` → transformers' ``lr_scheduler_type`` of the same shape: after
+#: the warmup, constant, or a decay to 0 at the run's last step (podrl's ``total_steps``, which
+#: follows ``loop.steps``, and ``min_lr_ratio`` 0). TRL's default is ``linear``.
+TRL_LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def trl_lr_schedule(config: dict[str, Any]) -> str:
+    """TRL's ``lr_scheduler_type`` for the recipe's schedule; refused (naming the field) when
+    the recipe's decay does not end at 0 on the last step, as transformers' schedules do."""
+    trainer, steps = config["trainer"], config["loop"]["steps"]
+    schedule = trainer.get("lr_schedule", "constant")
+    if schedule != "constant":
+        if trainer.get("min_lr_ratio", 0.0) != 0.0:
+            raise ValueError(
+                f"trainer.min_lr_ratio {trainer['min_lr_ratio']}: TRL's {schedule} schedule "
+                "decays to 0; leave trainer.min_lr_ratio unset for the comparison"
+            )
+        if trainer.get("total_steps", steps) != steps:
+            raise ValueError(
+                f"trainer.total_steps {trainer['total_steps']}: TRL's schedule decays over "
+                f"max_steps (loop.steps {steps}); leave trainer.total_steps unset"
+            )
+    return TRL_LR_SCHEDULES[schedule]
+
+
 def trl_settings(config: dict[str, Any], seed: int, opts: Options) -> dict[str, Any]:
     """TRL GRPOConfig arguments for the run: the settings the comparison needs equal to
     podrl's, and the shared GPU's; TRL's defaults otherwise (the module docstring says which
@@ -395,7 +427,7 @@ def trl_settings(config: dict[str, Any], seed: int, opts: Options) -> dict[str, 
     loop, trainer, sampling = config["loop"], config["trainer"], config["loop"]["sampling"]
     settings: dict[str, Any] = {
         "learning_rate": trainer["lr"],
-        "lr_scheduler_type": "constant_with_warmup",
+        "lr_scheduler_type": trl_lr_schedule(config),
         "warmup_steps": trainer.get("warmup_steps", 0),
         "loss_type": trainer.get("loss_mode", "grpo"),
         "max_grad_norm": trainer.get("grad_clip", 1.0),
@@ -717,6 +749,93 @@ def run(opts: Options) -> dict[str, Any]:
     return results
 
 
+# ---- docs/cuda.md's table and the README's figures, from the committed JSON ----------------
+
+DOCS = ROOT / "docs" / "cuda.md"
+README = ROOT / "README.md"
+DOCS_BEGIN = (
+    "<!-- generated from bench/results/vs_trl_gpu_h200.json by "
+    "`python -m bench.vs_trl_gpu --docs`: rerun it, do not edit -->"
+)
+DOCS_END = "<!-- end of the generated vs_trl_gpu table -->"
+DOCS_LABELS = {
+    "podrl-sync": "podrl sync",
+    "podrl-async": "podrl async (`max_staleness: 1`)",
+    "podrl-in-flight": "podrl async, `weight_apply: in_flight`",
+    "trl": "TRL `GRPOTrainer`, vLLM colocate",
+}
+DOCS_SHORT = {"podrl-sync": "sync", "podrl-async": "async", "podrl-in-flight": "in-flight"}
+README_CLAIM = re.compile(r"(held-out accuracy\s+from\s+)\S+(\s+to\s+)\S+?(\s+in\s+sync)")
+
+
+def _f(value: float | None, digits: int) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def docs_table(results: dict[str, Any]) -> str:
+    """docs/cuda.md's table of a bench JSON: one row per run (podrl sync, async, in-flight,
+    then TRL; by seed), and each system's mean held-out gain against TRL's."""
+    order = list(DOCS_LABELS)
+    rows = sorted(results["rows"], key=lambda r: (order.index(r["system"]), r["seed"]))
+    lines = [
+        "| run | seed | held-out before → after | training reward first 5 → last 10 | "
+        "mismatch KL mean (max) | update ratio mean (max) | grad norm mean | equal-reward "
+        "groups | s/step | samples/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        drift = [
+            "—"
+            if r.get(f"{name}_mean") is None
+            else f"{r[f'{name}_mean']:.4f} ({r[f'{name}_max']:.4f})"
+            for name in ("mismatch_kl", "update_ratio")
+        ]
+        samples = r.get("samples_per_s")
+        lines.append(
+            f"| {DOCS_LABELS[r['system']]} | {r['seed']} | {_f(r.get('heldout_before'), 3)} → "
+            f"**{_f(r.get('heldout_after'), 3)}** | {_f(r.get('reward_first5'), 3)} → "
+            f"{_f(r.get('reward_last10'), 3)} | {drift[0]} | {drift[1]} | "
+            f"{_f(r.get('grad_norm_mean'), 3)} | {_f(r.get('zero_std_fraction'), 2)} | "
+            f"{_f(r.get('s_per_step'), 3)} | {'—' if samples is None else round(samples)} |"
+        )
+    summary = results.get("summary", {})
+    gains = {s: summary[s]["heldout_gain"] for s in order if s in summary}
+    parts = [f"{DOCS_SHORT.get(s, 'TRL')} **{gains[s]:+.3f}**" for s in gains]
+    verdicts = []
+    if "trl" in gains:
+        for system in ("podrl-sync", "podrl-async"):
+            if system in gains:
+                margin = gains[system] - gains["trl"]
+                met = "met" if margin >= 0 else "not met"
+                verdicts.append(f"{DOCS_SHORT[system]} {margin:+.3f} ({met})")
+    text = "\n".join(lines) + "\n\nMean held-out gain over the seeds: " + ", ".join(parts) + "."
+    if verdicts:
+        text += " podrl's gain minus TRL's: " + ", ".join(verdicts) + "."
+    return text
+
+
+def readme_range(results: dict[str, Any]) -> tuple[str, str]:
+    """The README's figures: held-out before, and the range after over every podrl run."""
+    podrl = [r for r in results["rows"] if r["system"].startswith("podrl")]
+    after = [r["heldout_after"] for r in podrl if r.get("heldout_after") is not None]
+    before = podrl[0]["heldout_before"]
+    return f"{before:.2f}", f"{min(after):.2f}\u2013{max(after):.2f}"
+
+
+def render_docs(json_path: Path, docs: Path = DOCS, readme: Path = README) -> None:
+    """Rewrite docs/cuda.md's generated table and the README's held-out figures from
+    ``json_path`` (the bench's JSON, once copied into bench/results/)."""
+    results = json.loads(json_path.read_text())
+    text = docs.read_text()
+    start, end = text.index(DOCS_BEGIN) + len(DOCS_BEGIN), text.index(DOCS_END)
+    docs.write_text(text[:start] + "\n" + docs_table(results) + "\n" + text[end:])
+    before, after = readme_range(results)
+    claim, count = README_CLAIM.subn(rf"\g<1>{before}\g<2>{after}\g<3>", readme.read_text())
+    if count != 1:
+        raise ValueError(f"{readme}: expected one 'held-out accuracy from X to Y in sync' claim")
+    readme.write_text(claim)
+
+
 def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -778,6 +897,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--trl-worker"]:
         return trl_worker(Path(argv[1]))
+    if argv[:1] == ["--docs"]:  # --docs [JSON]: the committed H200 run by default
+        render_docs(Path(argv[1]) if len(argv) > 1 else RESULT)
+        return 0
     opts = parse_args(argv)
     results = run(opts)
     print(f"held-out accuracy of the warm-started model: {results['preparation']}")

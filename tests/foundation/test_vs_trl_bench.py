@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from bench import vs_trl_gpu
-from podrl.config import load_config
+from podrl.config import RunConfig, load_config
 from podrl.controller.records.evaluation import distinct_prompts
 from podrl.models.tiny import make_tiny_model
 from podrl.tasks import build_task_source
@@ -70,6 +70,7 @@ def test_each_podrl_system_is_the_recipe_with_only_its_loop_mode_changed(tmp_pat
     for run in loaded.values():
         assert run.loop.sampling.seed == 7 and run.trainer.seed == 7
         assert run.loop.export_at_end  # the shared evaluation reads the exported model
+        assert run.loop.keep_equal_reward_groups  # as TRL trains solved groups
         assert run.tasks == sync.tasks and run.loop.sampling == sync.loop.sampling
         assert run.trainer.lr == sync.trainer.lr
         assert run.trainer.warmup_steps == sync.trainer.warmup_steps
@@ -88,7 +89,7 @@ def test_trl_gets_podrls_prompts_in_order_and_its_settings(tmp_path: Path) -> No
     trainer, sampling = config["trainer"], config["loop"]["sampling"]
     assert settings["learning_rate"] == trainer["lr"]
     assert settings["warmup_steps"] == trainer["warmup_steps"]
-    assert settings["lr_scheduler_type"] == "constant_with_warmup"  # podrl's schedule
+    assert trainer["lr_schedule"] == "linear" and settings["lr_scheduler_type"] == "linear"
     assert settings["loss_type"] == trainer["loss_mode"]
     assert settings["per_device_train_batch_size"] == 16 * sampling["n"]  # one step per batch
     assert settings["num_generations"] == sampling["n"]
@@ -254,4 +255,59 @@ def test_a_podrl_run_gives_the_figures_trls_steps_are_compared_with(tmp_path: Pa
     (tmp_path / "summary.json").write_text(json.dumps({"phase": "finished"}))
     figures = vs_trl_gpu.read_podrl_run(tmp_path)
     assert figures["zero_std_fraction"] == [0.25, 0.5]
+    steps[0]["groups_equal_reward"] = 8  # recorded: counted whether dropped or kept
+    with sqlite3.connect(tmp_path / "controller.sqlite") as db:
+        db.execute("UPDATE steps SET metrics = ? WHERE step = 0", (json.dumps(steps[0]),))
+    assert vs_trl_gpu.read_podrl_run(tmp_path)["zero_std_fraction"] == [0.5, 0.5]
     assert figures["drift"]["grad_norm"] == [0.4, 0.2] and figures["lr_last"] == 5e-6
+
+
+def test_trls_lr_schedule_is_the_recipes_and_a_decay_that_does_not_end_at_0_is_refused() -> None:
+    config = _recipe(steps=50)
+    loaded = RunConfig.model_validate(config).trainer
+    assert (loaded.lr_schedule, loaded.total_steps, loaded.min_lr_ratio) == ("linear", 50, 0.0)
+    assert loaded.warmup_steps == 5  # the recipe's 10 of 100 steps, scaled with --steps
+    for schedule, trl in (("constant", "constant_with_warmup"), ("cosine", "cosine")):
+        config["trainer"]["lr_schedule"] = schedule
+        assert vs_trl_gpu.trl_lr_schedule(config) == trl
+    for field, value in (("min_lr_ratio", 0.1), ("total_steps", 80)):
+        changed = {**config, "trainer": {**config["trainer"], field: value}}
+        with pytest.raises(ValueError, match=f"trainer.{field}"):
+            vs_trl_gpu.trl_lr_schedule(changed)
+
+
+def test_docs_table_and_readme_figures_are_rendered_from_the_committed_json(
+    tmp_path: Path,
+) -> None:
+    """docs/cuda.md's table is `python -m bench.vs_trl_gpu --docs` of the committed JSON; a
+    figure edited by hand, or a JSON without its table rendered again, fails here."""
+    docs, readme = tmp_path / "cuda.md", tmp_path / "README.md"
+    docs.write_text(vs_trl_gpu.DOCS.read_text())
+    readme.write_text(vs_trl_gpu.README.read_text())
+    vs_trl_gpu.render_docs(vs_trl_gpu.RESULT, docs, readme)
+    assert docs.read_text() == vs_trl_gpu.DOCS.read_text()
+    assert readme.read_text() == vs_trl_gpu.README.read_text()
+    results = json.loads(vs_trl_gpu.RESULT.read_text())
+    next(r for r in results["rows"] if r["system"] == "podrl-sync")["heldout_after"] = 0.5
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(results))
+    vs_trl_gpu.render_docs(changed, docs, readme)
+    assert "**0.500**" in docs.read_text()
+    assert "from 0.11 to 0.50\u2013" in " ".join(readme.read_text().split())
+
+
+def test_the_late_reward_swings_docs_cuda_states_are_the_committed_runs() -> None:
+    """docs/cuda.md, "TRL's defaults against podrl's recipe": the training reward of the last 20
+    steps, lowest and highest over podrl's runs and over TRL's."""
+    rows = json.loads(vs_trl_gpu.RESULT.read_text())["rows"]
+    late = {
+        name: [
+            r for row in rows if row["system"].startswith(name) for r in row["reward_curve"][-20:]
+        ]
+        for name in ("podrl", "trl")
+    }
+    claim = (
+        f"podrl's last 20 steps swing between {min(late['podrl']):.2f} and "
+        f"{max(late['podrl']):.2f}, TRL's between {min(late['trl']):.2f} and {max(late['trl']):.2f}"
+    )
+    assert claim in " ".join(vs_trl_gpu.DOCS.read_text().split()), claim
