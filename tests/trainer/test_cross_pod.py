@@ -258,8 +258,8 @@ def a_pod_that_joins_heals_from_its_peer(
     assert not [r for r in replies.values() if isinstance(r, grpc.RpcError)], replies
     assert "healed from a peer pod: version 0 -> 3" in c.log()
     assert "pod-c" in lighthouse.status()
-    # Pod a asked first: torchft's fast quorum (the previous members are back) left pod c
-    # out, and pod a formed the quorum again once the shares did not add up.
+    # Pod a asked first, before pod c's manager was up: torchft formed a quorum of pod a
+    # alone, and pod a formed it again once the shares did not add up.
     assert "the request names 2 pods: forming the quorum again" in a.log()
     alone = reference.stub.Train(batch, timeout=180)
     for reply in replies.values():

@@ -454,7 +454,8 @@ class TrainerEngine:
         # the live GPU parameters and not yet acknowledged): each raises TrainNotAllowedError.
         self.train_gates: list[Callable[[], None]] = []
         # Data parallelism across pods (podrl.trainer.replication): decided here, once, so a
-        # step reads a flag instead of the config; the replica itself is built by the first Train.
+        # step reads a flag instead of the config; the replica itself is built by the first Train
+        # of more than one pod.
         self.replicated = settings.replication.enabled
         self.replica: CrossPodReplica | None = None
         log.info(
@@ -580,7 +581,8 @@ class TrainerEngine:
 
         Across pods (``trainer.replication``, :mod:`podrl.trainer.replication`), the pod is one
         torchft replica group: before 1 the step's quorum of pods forms (a pod behind the others
-        heals from one first) and the request is checked; in 3 the vote, the metric sums and
+        heals from one first; a pod that trains the step alone forms none) and the request is
+        checked; in 3 the vote, the metric sums and
         the gradients are summed over the pods before clipping; before 4 torchft's commit vote
         runs, and a failed one raises :class:`StepAbortedError` with nothing stepped. A step
         waiting for its quorum gives up once ``cancelled()`` is True on rank 0 (the caller
@@ -656,9 +658,16 @@ class TrainerEngine:
 
     def _join_pods(
         self, request: trainer_pb2.TrainRequest, cancelled: Cancelled
-    ) -> CrossPodReplica:
+    ) -> CrossPodReplica | None:
         """Every rank: this step's quorum of pods, a heal if this pod is behind, then the
-        batch check; raises BatchError or StepAbortedError (nothing stepped)."""
+        batch check; raises BatchError or StepAbortedError (nothing stepped). None for a step
+        that this pod trains alone (``pods`` 1, ``pod_ids`` this pod or empty): a quorum of one
+        pod heals nothing and sums nothing, so the step asks the Lighthouse nothing and only
+        the batch is checked. A newcomer still heals: the controller sends it and this pod a
+        step of 2 pods, and both join its quorum (the torchft manager is built then)."""
+        if request.pods == 1 and set(request.pod_ids) <= {self.worker_id}:
+            validate_share(request, self.policy_version, self.limits, True)
+            return None
         if self.replica is None:
             self.replica = CrossPodReplica(
                 self.settings.replication,

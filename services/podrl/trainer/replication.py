@@ -1,10 +1,11 @@
 """Data parallelism across worker pods: every pod's trainer is one torchft replica group.
 
-With ``trainer.replication.lighthouse_address`` set, each Train is one step of a torchft
-``Manager`` (docs/scaling.md, "Trainers across pods"); inside the pod FSDP2/TP run as before,
-and the pod's ranks 0..n-1 are the replica group's ranks (rank r of every pod exchanges with
-rank r of the others, over a process group that torchft rebuilds when the quorum changes:
-gloo on CPU, NCCL on CUDA). One step:
+With ``trainer.replication.lighthouse_address`` set, each Train of a step that more than one
+pod trains is one step of a torchft ``Manager`` (docs/scaling.md, "Trainers across pods"; a pod
+that trains a step alone, ``pods`` 1, forms no quorum: ``TrainerEngine._join_pods``); inside
+the pod FSDP2/TP run as before, and the pod's ranks 0..n-1 are the replica group's ranks (rank
+r of every pod exchanges with rank r of the others, over a process group that torchft rebuilds
+when the quorum changes: gloo on CPU, NCCL on CUDA). One step:
 
 1. **join** (:meth:`CrossPodReplica.begin`): the Lighthouse forms a quorum of the pods that ask;
    a pod behind the most advanced one (a new pod at version 0, one whose last step did not
@@ -30,8 +31,9 @@ gloo on CPU, NCCL on CUDA). One step:
 A pod that dies mid-step breaks the exchange of the others: they answer ABORTED with nothing
 changed, and the controller sends that step's batch again, split over the pods left.
 
-The Manager starts with the first Train, not with the trainer: a pod that runs but was never
-sent a Train does not heartbeat to the Lighthouse, so it cannot hold up others' quorums.
+The Manager starts with the first Train of more than one pod, not with the trainer: a pod
+that runs but was never sent one does not heartbeat to the Lighthouse, so it cannot hold up
+others' quorums.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 class CrossPodReplica:
     """This pod's trainer as one torchft replica group; built on every rank of the pod (with
-    the same arguments, at the same point: the first Train).
+    the same arguments, at the same point: the first Train of more than one pod).
 
     ``state_dict``/``load_state_dict`` are the trainer's (torchft's callbacks): the state a
     healing peer fetches and the one this pod takes when it heals, ``{"model", "optim",
