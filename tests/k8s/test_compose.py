@@ -1,29 +1,45 @@
 """docker-compose.yaml: parses as a Compose Specification document (compose-spec, a typed
-parser of the spec; `docker compose config` where an engine exists), and every service,
-profile, volume and config it references exists and is active in the same profiles."""
+parser of the spec; `docker compose config`, or podman-compose's with docker/compose/podman.yaml,
+where an engine exists), and every service, profile, volume and config it references exists and
+is active in the same profiles. The CPU profile runs in containers too (marked ``containers`` and
+``slow``): a short GRPO run trains and its export loads."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
+import re
+import secrets
 import shutil
+import socket
 import subprocess
+import sys
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from compose_spec import PyCompose
 
 from podrl.config import load_config
 from podrl.tools.render_k8s import REPO_ROOT
+from tests.k8s.local_pod import wait_until
+from tests.k8s.podman_pod import missing_requirements, podman, podman_env
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
+PODMAN_OVERRIDE = REPO_ROOT / "docker" / "compose" / "podman.yaml"
 PROFILES = {"cpu", "gpu"}
+# The profiles a run turns on together: an engine's, with or without the environment service.
+RUN_TIMEOUT = 1200
+COMBINATIONS = [("cpu",), ("gpu",), ("cpu", "environments"), ("gpu", "environments-gpu")]
+# One-shot services that write the tiny model, not podrl services.
+MODEL_SERVICES = {"model", "model-gpu"}
 
 
 def _resolved() -> dict[str, Any]:
-    """The file with YAML anchors and merge keys resolved (as docker compose reads it)."""
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+    """The file with YAML anchors and merge keys resolved and each ``${VAR:-default}`` at its
+    default (as docker compose reads it where VAR is unset)."""
+    return yaml.safe_load(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", COMPOSE_FILE.read_text()))
 
 
 def _active(service: dict[str, Any], profile: str) -> bool:
@@ -33,7 +49,8 @@ def _active(service: dict[str, Any], profile: str) -> bool:
 def test_compose_file_parses_as_compose_spec() -> None:
     compose = PyCompose.from_json(json.dumps(_resolved()))
     assert set(compose.service_names()) == {
-        "controller", "grader", "trainer", "generator", "trainer-gpu", "generator-gpu",
+        "controller", "grader", "model", "trainer", "generator", "environments",
+        "model-gpu", "trainer-gpu", "generator-gpu", "environments-gpu",
     }  # fmt: skip
     compose.to_spec()  # the spec's pydantic model accepts it too
 
@@ -58,18 +75,19 @@ def test_references_exist_and_share_profiles() -> None:
     doc = _resolved()
     services = doc["services"]
     used_profiles = {p for s in services.values() for p in s.get("profiles", [])}
-    assert used_profiles == PROFILES
+    assert used_profiles == {p for c in COMBINATIONS for p in c}
     env_file = (REPO_ROOT / ".env").read_text()
     assert "COMPOSE_PROFILES=cpu" in env_file  # the CPU profile is the default
-    for profile in PROFILES:
-        active = {name for name, s in services.items() if _active(s, profile)}
+    for profiles in COMBINATIONS:
+        active = {name for name, s in services.items() if any(_active(s, p) for p in profiles)}
         for name in active:
             for ref in _references(services[name]):
-                assert ref in active, f"{name} needs {ref}, which is off in profile {profile}"
+                assert ref in active, f"{name} needs {ref}, which is off in profiles {profiles}"
         # Exactly one trainer and one generator per profile; the grader and controller always.
         assert {"controller", "grader"} <= active
         assert len([n for n in active if n.startswith("trainer")]) == 1
         assert len([n for n in active if n.startswith("generator")]) == 1
+        assert len([n for n in active if n.startswith("environments")]) == (len(profiles) == 2)
     for name, service in services.items():
         for mount in service.get("volumes") or []:
             source = mount.split(":")[0] if isinstance(mount, str) else mount["source"]
@@ -97,14 +115,29 @@ def test_gpu_profile_shares_gpus_shm_and_pid_namespace() -> None:
     assert services["generator"]["ipc"] == "service:trainer"
 
 
-def test_the_generator_starts_once_the_trainer_wrote_the_model() -> None:
-    """The generator mounts run-state read-only: it must not race the trainer, which writes
-    the tiny model there, or it stops with 'generator.model_path: ... cannot be written'."""
-    services = _resolved()["services"]
-    for generator, trainer in (("generator", "trainer"), ("generator-gpu", "trainer-gpu")):
-        assert services[generator]["depends_on"][trainer] == {"condition": "service_healthy"}
+def test_trainer_and_generator_start_once_the_model_is_written() -> None:
+    """The generator mounts run-state read-only: it must not race a writer of the tiny model
+    there, or it stops with 'generator.model_path: ... cannot be written'. The model service
+    writes it (once) at the path both load; nothing waits for a health check, which podman
+    before 4.6 cannot wait for (the workers retry their registration instead)."""
+    doc = _resolved()
+    services = doc["services"]
+    config = load_config(REPO_ROOT / doc["configs"]["run-config"]["file"], {})
+    tiny = str(config.generator.resolved_model_path(config.run_dir))
+    for suffix in ("", "-gpu"):
+        model, trainer, generator = (f"{n}{suffix}" for n in ("model", "trainer", "generator"))
+        assert services[model]["command"] == [tiny]
+        assert "make-tiny-model" in services[model]["entrypoint"][-1]
+        assert services[model]["image"] == services[trainer]["image"]
+        for name in (trainer, generator):
+            done = {"condition": "service_completed_successfully"}
+            assert services[name]["depends_on"][model] == done, name
         assert "run-state:/var/lib/podrl:ro" in services[generator]["volumes"]
-        assert "run-state:/var/lib/podrl" in services[trainer]["volumes"]
+        assert "run-state:/var/lib/podrl" in services[model]["volumes"]
+    for name, service in services.items():
+        needs = service.get("depends_on") or {}
+        conditions = needs.values() if isinstance(needs, dict) else []
+        assert {"condition": "service_healthy"} not in conditions, name
 
 
 def test_containers_are_hardened_and_never_privileged() -> None:
@@ -113,28 +146,38 @@ def test_containers_are_hardened_and_never_privileged() -> None:
         assert service["read_only"] is True, name
         assert service["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in service["security_opt"], name
-        for key in ("privileged", "cap_add", "network_mode"):
+        for key in ("privileged", "cap_add"):
             assert key not in service, (name, key)
+        # Only the environment service joins another's network namespace: the generator's.
+        assert service.get("network_mode") in (None, f"service:generator{name[12:]}"), name
         assert service.get("pid") in (None, "service:trainer", "service:trainer-gpu"), name
 
 
 def test_each_service_loads_the_run_config_with_its_environment() -> None:
     doc = _resolved()
     config_file = REPO_ROOT / doc["configs"]["run-config"]["file"]
+    grpc_names = {"environments": "Environment"}
     for name, service in doc["services"].items():
+        if name in MODEL_SERVICES:
+            continue
         env = {k: str(v) for k, v in service["environment"].items()}
         config = load_config(config_file, env)
-        section = getattr(config, name.removesuffix("-gpu"))
+        kind = name.removesuffix("-gpu")
+        section = getattr(config, kind)
         assert section.bind_host == "0.0.0.0", name
         assert config.controller.advertise_host == "controller", name
         if name != "controller":
-            assert section.advertise_host == name, name  # reachable by its service name
+            # Reachable by its service name; the environment service in the generator's
+            # network namespace, where the controller looks for it.
+            host = name.replace("environments", "generator")
+            assert section.advertise_host == host, name
             assert config.worker_id == "compose-worker-0", name
-        if name.endswith("-gpu"):
+        if name.endswith("-gpu") and kind != "environments":  # it runs no model
             assert config.device == "cuda"
         probe = service["healthcheck"]["test"]
         assert probe[:4] == ["CMD", "python", "-m", "podrl.tools.check_health"]
-        assert probe[4] == f"127.0.0.1:{section.grpc_port}=podrl.v1.{name.split('-')[0].title()}"
+        grpc_name = grpc_names.get(kind, kind.title())
+        assert probe[4] == f"127.0.0.1:{section.grpc_port}=podrl.v1.{grpc_name}"
 
 
 def _has_docker_compose() -> bool:
@@ -144,15 +187,136 @@ def _has_docker_compose() -> bool:
     return subprocess.run(probe, capture_output=True, check=False).returncode == 0
 
 
-@pytest.mark.skipif(not _has_docker_compose(), reason="no `docker compose` on this machine")
-def test_docker_compose_config_accepts_the_file() -> None:
-    for profile in sorted(PROFILES):
-        done = subprocess.run(
-            ["docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "-q"],
-            # Compose refuses to interpolate the file without the run secret (docs/security.md).
-            env={**os.environ, "PODRL_RUN_SECRET": "0" * 64},
-            capture_output=True,
-            text=True,
-            check=False,
+def _compose() -> list[str] | None:
+    """The compose command for docker-compose.yaml here: ``docker compose`` where docker has
+    the plugin, else podman-compose (dev requirements) with docker/compose/podman.yaml where
+    podman is installed; None with neither."""
+    if _has_docker_compose():
+        return ["docker", "compose", "-f", str(COMPOSE_FILE)]
+    if shutil.which("podman") is None or importlib.util.find_spec("podman_compose") is None:
+        return None
+    podman_compose = [sys.executable, "-m", "podman_compose"]
+    return [*podman_compose, "-f", str(COMPOSE_FILE), "-f", str(PODMAN_OVERRIDE)]
+
+
+def _compose_env(**extra: str) -> dict[str, str]:
+    # Compose refuses to interpolate the file without the run secret (docs/security.md).
+    return {**podman_env(), "PODRL_RUN_SECRET": "0" * 64, **extra}
+
+
+@pytest.mark.skipif(_compose() is None, reason="neither `docker compose` nor podman here")
+def test_compose_config_accepts_the_file() -> None:
+    command = _compose()
+    assert command is not None
+    profiles = sorted({p for c in COMBINATIONS for p in c})  # one call: podman-compose is slow
+    done = subprocess.run(
+        [*command, *(f"--profile={p}" for p in profiles), "config"],
+        env=_compose_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert set(yaml.safe_load(done.stdout)["services"]) == set(_resolved()["services"])
+
+
+def test_the_podman_override_shares_shm_and_pids_between_trainer_and_generator_only() -> None:
+    """podman-compose drops `ipc` and cannot pass `pid: service:trainer`: the override gives
+    the trainer and the generator (only) one tmpfs at /dev/shm and the trainer's PID
+    namespace, and mounts the run config that podman-compose's missing `configs` would."""
+    override = yaml.load(PODMAN_OVERRIDE.read_text(), Loader=_ResetLoader)
+    services = override["services"]
+    shm = {n for n, s in services.items() if "worker-shm:/dev/shm" in s.get("volumes", [])}
+    assert shm == {"trainer", "generator"}
+    assert services["generator"]["pid"] == f"container:{services['trainer']['container_name']}"
+    first, *_ = [n for n, s in services.items() if any(
+        v.startswith("worker-shm:") for v in s.get("volumes", []))]  # fmt: skip
+    assert first == "model"  # mounted first where its image has no folder (the file says why)
+    assert override["volumes"]["worker-shm"]["driver_opts"]["o"].startswith("mode=1777")
+    run_config = "./docker/compose/run.yaml:/etc/podrl/run.yaml:ro"
+    for name in ("controller", "grader", "trainer", "generator", "environments"):
+        assert run_config in services[name]["volumes"], name
+
+
+class _ResetLoader(yaml.SafeLoader):
+    """Reads compose's ``!reset`` tag (an override that removes a key) as None."""
+
+
+_ResetLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def _container(service: str) -> str:
+    done = podman(
+        "ps", "--filter", "label=com.docker.compose.project=podrl",
+        "--filter", f"label=com.docker.compose.service={service}", "--format", "{{.Names}}",
+    )  # fmt: skip
+    (name,) = done.stdout.split()
+    return name
+
+
+@pytest.mark.containers
+@pytest.mark.slow
+def test_the_cpu_profile_trains_a_short_run_in_containers(tmp_path) -> None:
+    """podman-compose with docker/compose/podman.yaml runs the CPU profile from the built
+    images (make images VARIANT=cpu): the run of docker/compose/run.yaml finishes, its export
+    loads, and only the trainer and the generator share /dev/shm and a PID namespace."""
+    command = _compose()
+    if command is None or command[0] == "docker":
+        pytest.skip("runs with podman-compose (podman and the dev requirements)")
+    services = _resolved()["services"]
+    images = sorted(
+        {services[n]["image"] for n in ("controller", "grader", "trainer", "generator")}
+    )
+    missing = missing_requirements(images)
+    if missing:
+        pytest.skip(missing)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = _compose_env(
+        PODRL_RUN_SECRET=secrets.token_hex(32), PODRL_HTTP_PORT=str(port), COMPOSE_PROFILES="cpu"
+    )
+
+    def compose(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*command, *args], env=env, capture_output=True, text=True, timeout=600, check=False
         )
-        assert done.returncode == 0, done.stderr
+
+    config = load_config(REPO_ROOT / _resolved()["configs"]["run-config"]["file"], {})
+    compose("down", "--volumes", "-t", "10")  # a run of this project left behind
+    try:
+        done = compose("up", "-d")
+        assert done.returncode == 0, done.stderr[-3000:]
+
+        def status() -> dict[str, Any]:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5).json()
+            except httpx.HTTPError:
+                return {"phase": "starting"}
+
+        def finished() -> bool:
+            now = status()
+            assert now["phase"] != "failed", now.get("error")
+            return now["phase"] == "finished"
+
+        wait_until(finished, RUN_TIMEOUT, lambda: None, "the compose run")
+        now = status()
+        assert now["step"] == config.loop.steps and now["policy_version"] > 0, now
+        assert now["healthy_pods"] == ["compose-worker-0"], now
+        trainer = _container("trainer")
+        export = f"{config.run_dir}/export"
+        podman("cp", f"{trainer}:{export}", str(tmp_path / "export"))
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+        assert sum(p.numel() for p in model.parameters()) > 0
+        key = "/dev/shm/podrl-weights-key"
+        generator, grader = _container("generator"), _container("grader")
+        assert podman("exec", generator, "test", "-s", key, check=False).returncode == 0
+        assert podman("exec", grader, "test", "-e", key, check=False).returncode != 0
+        # The generator sees the trainer's service process; the grader does not.
+        seen = podman("exec", generator, "cat", "/proc/1/cmdline").stdout
+        assert "podrl-trainer" in seen, seen
+        assert "podrl-trainer" not in podman("exec", grader, "cat", "/proc/1/cmdline").stdout
+    finally:
+        compose("down", "--volumes", "-t", "30")
