@@ -3,6 +3,7 @@ grader images resolve no torch (checked on podrl's real dependency metadata)."""
 
 from __future__ import annotations
 
+import json
 import re
 from importlib import metadata
 
@@ -142,10 +143,29 @@ def test_the_trainer_extra_does_pull_torch() -> None:
 def test_ci_runs_the_container_tests_that_fit_its_time() -> None:
     """README: CI installs podman and runc when missing, builds the base and controller images
     and runs the container tests that are not slow; the played pods stay with `make
-    test-containers` (the four images take about 35 minutes more)."""
+    test-containers` (the other images do not fit its time)."""
     text = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"^for tool in .*\bpodman\b.*\brunc\b.*\bmmdebstrap\b", text, re.MULTILINE)
     assert "make base-image\n" in text
     assert re.search(r"make images VARIANT=cpu IMAGES=controller PYTHON_IMAGE=\S+", text)
     assert "pytest -m 'containers and not slow'" in text
     assert "pytest -m containers -p no:xdist" in (REPO_ROOT / "Makefile").read_text()
+
+
+def test_the_documented_image_sizes_and_build_times_are_the_fresh_clone_builds() -> None:
+    """docs/kubernetes.md's build table is bench/images_fresh_clone.py's run
+    (bench/results/images_cpu.json): every image of the Makefile, each row's size and time."""
+    run = json.loads((REPO_ROOT / "bench" / "results" / "images_cpu.json").read_text())
+    doc = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    base = run["base_image"]
+    rows = [f"| `{base['ref']}` (`make base-image`) | {base['size_mb']} MB | {base['seconds']} s |"]
+    rows += [f"| `{i['ref']}` | {i['size_mb']} MB | {i['seconds']} s |" for i in run["images"]]
+    table = [line for line in doc.splitlines() if line.startswith("| `") and " s |" in line]
+    assert table == rows
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    (images,) = re.findall(r"^IMAGES := (.+)$", makefile, re.MULTILINE)
+    built = [i["ref"].split("/")[-1].split(":")[0] for i in run["images"]]
+    assert built == [f"podrl-{name}" for name in images.split()]
+    assert run["variant"] == "cpu" and f"`make images` took {run['images_seconds']} s" in doc
+    assert f"wheelhouse ({run['wheelhouse_wheels']} wheels" in doc
+    assert f"commit `{run['commit'][:7]}`" in doc
