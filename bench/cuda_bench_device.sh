@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A CPU-or-CUDA benchmark of bench/ (scaling, async_vs_sync) with --device cuda on the H200
-# machine: after the first two vLLM carry calls and the wheels' call (docs/cuda.md, section 5),
+# A CPU-or-CUDA benchmark of bench/ (scaling, async_vs_sync, multi_turn) with --device cuda on
+# the H200 machine: after the first two vLLM carry calls and the wheels' call (docs/cuda.md,
+# section 5),
 #   bash bench/cuda_bench_device.sh scaling [more bench/scaling.py options]     (carry [".vp3"])
 #   bash bench/cuda_bench_device.sh async_vs_sync [more options]                (machine warm)
+#   bash bench/cuda_bench_device.sh multi_turn [more options]                   (machine warm)
 # Writes $OUT/<bench>_h200.json and its output (each run's line as it ends, so a call cut short
 # keeps the runs it finished); on a failed run, the tails of its logs.
 set -uo pipefail
-bench=${1:?usage: cuda_bench_device.sh scaling|async_vs_sync [options]}
+bench=${1:?usage: cuda_bench_device.sh scaling|async_vs_sync|multi_turn [options]}
 shift
 out=${OUT:-/tmp/cuda-bench-out}
 mkdir -p "$out"

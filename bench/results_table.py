@@ -129,6 +129,21 @@ LAYOUTS: dict[str, Layout] = {
             ("reward last 10", "reward_last10"),
         ),
     ),
+    "multi_turn": Layout(
+        rows=("rows",),
+        columns=(
+            *_MACHINE,
+            ("model", "/settings/model"),
+            ("episodes", "episodes"),
+            ("row", "row"),
+            ("tokens per turn", "tokens_per_turn"),
+            ("episodes/s", "episodes_per_s"),
+            ("generated tokens/s", "tokens_per_s"),
+            ("vs single-turn", "vs_single_turn"),
+            ("prefilled tokens", "prefilled_tokens"),
+            ("prefix-cache hit rate", "prefix_cache_hit_rate"),
+        ),
+    ),
     "generator_cpu": Layout(
         rows=("rows",),
         columns=(
