@@ -1,6 +1,7 @@
 """A run whose task names an environment, on a real local pod (`podrl run`'s launcher): the
 launcher starts the environment service with the pod, the step plays the task's episodes,
-the trainer trains them with their masks, and samples.jsonl shows each episode's turns."""
+the trainer trains them with their masks, samples.jsonl shows each episode's turns, and the
+status, the metrics and /v1/episodes/latest show the episodes played."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path, m
             assert time.monotonic() < deadline, status
             time.sleep(0.5)
         steps = httpx.get(f"{cluster.rest_url}/v1/steps", timeout=5).json()
+        latest = httpx.get(f"{cluster.rest_url}/v1/episodes/latest", timeout=5).json()
+        prometheus = httpx.get(f"{cluster.rest_url}/metrics", timeout=5).text
     finally:
         cluster.stop(grace=30, controller_first=True)
     assert status["phase"] == "finished", status.get("error")
@@ -97,3 +100,18 @@ def test_a_run_of_episodes_trains_them_and_records_their_turns(tmp_path: Path, m
         assert len(row["turns"]) == TURNS and row["reward"] in (0.0, 1.0)
         assert row["completion"] == "".join(t["action"] + t["observation"] for t in row["turns"])
     assert any(row["trained"] for row in rows)
+    # The live figures, as the status and the metrics show them once the run ended (async
+    # mode's producer may have played a step more than were trained).
+    episodes = status["episodes"]
+    assert episodes["in_flight"] == 0 and episodes["failed"] == 0
+    assert episodes["finished"] >= STEPS * 2 * 4 and episodes["finished"] % 8 == 0
+    assert episodes["turns"] == episodes["tool_calls"] == episodes["finished"] * TURNS
+    assert episodes["environment_seconds_mean"] > 0
+    assert f"podrl_episode_turns_total {float(episodes['turns'])}" in prometheus
+    assert [len(t["action"]["text"]) > 0 for t in latest["turns"]] == [True] * TURNS
+    assert latest["ended"] == "done" and latest["reward"] in (0.0, 1.0)
+    assert [t["observation"]["text"] for t in latest["turns"]] == [
+        "\n[reply 1]\n",
+        "\n[reply 2]\n",
+        "",
+    ]
