@@ -808,7 +808,9 @@ def docs_table(results: dict[str, Any]) -> str:
                 margin = gains[system] - gains["trl"]
                 met = "met" if margin >= 0 else "not met"
                 verdicts.append(f"{DOCS_SHORT[system]} {margin:+.3f} ({met})")
-    text = "\n".join(lines) + "\n\nMean held-out gain over the seeds: " + ", ".join(parts) + "."
+    when = f"{results.get('date', 'an unknown date')} (commit {results.get('commit', '?')})"
+    text = "\n".join(lines) + f"\n\nRun of {when}. Mean held-out gain over the seeds: "
+    text += ", ".join(parts) + "."
     if verdicts:
         text += " podrl's gain minus TRL's: " + ", ".join(verdicts) + "."
     return text
@@ -818,7 +820,7 @@ def readme_range(results: dict[str, Any]) -> tuple[str, str]:
     """The README's figures: held-out before, and the range after over every podrl run."""
     podrl = [r for r in results["rows"] if r["system"].startswith("podrl")]
     after = [r["heldout_after"] for r in podrl if r.get("heldout_after") is not None]
-    before = podrl[0]["heldout_before"]
+    before = results["preparation"]["heldout_before"]  # also there when a run failed
     return f"{before:.2f}", f"{min(after):.2f}\u2013{max(after):.2f}"
 
 

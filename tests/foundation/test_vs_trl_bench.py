@@ -289,10 +289,13 @@ def test_docs_table_and_readme_figures_are_rendered_from_the_committed_json(
     assert readme.read_text() == vs_trl_gpu.README.read_text()
     results = json.loads(vs_trl_gpu.RESULT.read_text())
     next(r for r in results["rows"] if r["system"] == "podrl-sync")["heldout_after"] = 0.5
+    # A run that failed has a row of its error alone: rendered as dashes.
+    results["rows"].insert(0, {"system": "podrl-async", "mode": "async", "seed": 3, "error": "x"})
     changed = tmp_path / "changed.json"
     changed.write_text(json.dumps(results))
     vs_trl_gpu.render_docs(changed, docs, readme)
     assert "**0.500**" in docs.read_text()
+    assert "| podrl async (`max_staleness: 1`) | 3 | — → **—** |" in docs.read_text()
     assert "from 0.11 to 0.50\u2013" in " ".join(readme.read_text().split())
 
 
