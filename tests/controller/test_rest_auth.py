@@ -221,7 +221,7 @@ def test_every_route_but_reads_needs_a_token_and_every_read_is_open(
     assert ("PUT", REPLICAS) in changes
     assert {p for _, p in reads} >= {
         "/healthz", "/readyz", "/metrics", "/dashboard", "/v1/status", "/v1/workers", REPLICAS,
-        "/v1/steps", "/v1/evals",
+        "/v1/steps", "/v1/evals", "/v1/episodes/latest",
     }  # fmt: skip
     url = serve(RunState("auth", PodTable(60), 1), LocalScaler(1))
     for method, path in changes:

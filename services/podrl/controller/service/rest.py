@@ -216,18 +216,15 @@ def build_rest_app(
 
     @app.get(
         "/v1/episodes/latest",
-        response_model=LatestEpisodeView,
+        response_model=LatestEpisodeView | None,
         summary="The latest episode that ended, turn by turn.",
         description="Its prompt, each turn's sampled text (trained) and the environment's "
         "reply (not trained), the reward or the environment's error. The texts are cut to "
-        "controller.episode_view_chars in all and their control characters escaped.",
-        responses={404: {"description": "No episode has ended yet, or no task names one."}},
+        "controller.episode_view_chars in all and their control characters escaped. null "
+        "before an episode ended, and in a run whose tasks name no environment.",
     )
-    def latest_episode() -> LatestEpisodeView:
-        latest = state.latest_episode()
-        if latest is None:
-            raise HTTPException(404, "no episode has ended yet (or no task names an environment)")
-        return latest
+    def latest_episode() -> LatestEpisodeView | None:
+        return state.latest_episode()
 
     @app.get("/v1/workers", response_model=list[WorkerView], summary="Registered processes.")
     def workers() -> list[WorkerView]:
