@@ -95,7 +95,7 @@ def served(request, tiny_model, tmp_path, monkeypatch) -> Iterator[Served]:
 
 
 def _parameters(engine: TrainerEngine) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in engine.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
 
 def test_a_refusing_gate_is_failed_precondition_and_nothing_steps(served: Served) -> None:

@@ -241,7 +241,8 @@ class TrainerConfig(ServiceSection):
         "over micro-batches into one optimizer step.",
     )
 
-    # Speed (docs/cuda.md, "Trainer speed"): none of these changes what is computed.
+    # Speed (docs/cuda.md, "Trainer speed"): none of these changes what is computed (fsdp: on
+    # CUDA, which values are rounded to bf16).
     packing: bool = Field(
         True,
         description="Pack each micro-batch's sequences into one row (positions restart per "
@@ -278,6 +279,14 @@ class TrainerConfig(ServiceSection):
         False,
         description="Recompute each decoder layer's activations in backward instead of keeping "
         "them: less memory, about a third more compute; for batches that do not fit.",
+    )
+    fsdp: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto: FSDP2 (fully_shard) over the dp_shard ranks when the trainer has "
+        "more than one rank; a trainer of one rank (dp_shard 1, tp 1) trains the plain module, "
+        "without FSDP's per-layer hooks and DTensor dispatch (on CUDA in bf16 autocast over its "
+        "fp32 weights). always: FSDP2 over one rank too (every parameter a DTensor, computed "
+        "in bf16 through FSDP's mixed-precision policy on CUDA), the path before auto.",
     )
     optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         "auto",

@@ -547,6 +547,12 @@ def podrl_attention(
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
     if not isinstance(cu_seqlens, torch.Tensor) or query.shape[0] != 1:
         raise ValueError(f"{CU_SEQLENS_KWARG}: an int32 tensor for one packed row is required")
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        # A plain one-rank module computes under autocast, where q and k leave their fp32
+        # RMSNorm in fp32: the varlen kernel takes them in the compute dtype, as SDPA's own
+        # autocast rule casts them.
+        dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         max_seqlen = kwargs.get(MAX_SEQLEN_KWARG)
         if not isinstance(max_seqlen, int):
@@ -617,7 +623,10 @@ class FusedLinearLogprobs(torch.autograd.Function):
     ``entropy`` carries no gradient (it is a metric). See the module docstring.
     """
 
+    # Under autocast (a plain one-rank module on CUDA) backward recomputes the chunks' logits in
+    # bf16 as forward did, not in fp32.
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         hidden: torch.Tensor,
@@ -642,6 +651,7 @@ class FusedLinearLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(
         ctx: torch.autograd.function.FunctionCtx,
         grad_logprobs: torch.Tensor | None,

@@ -52,11 +52,13 @@ from podrl.trainer.batch import (
 from podrl.trainer.errors import NonFiniteStepError, StepAbortedError
 from podrl.trainer.parallel import (
     RankEnv,
+    compute_context,
     init_distributed,
     load_hf_model,
     parallelize,
     resolve_device,
     resolve_model_path,
+    uses_fsdp,
 )
 from podrl.trainer.replication import CrossPodReplica, ReplicaStepError, parameters_digest
 from podrl.v1 import trainer_pb2
@@ -317,13 +319,13 @@ def _require_finite_step(loss: float, grad_norm: float, version: int) -> None:
 
 
 def _metrics(
-    values: dict[str, float], peaks: torch.Tensor, grad_norm: float, lr: float
+    values: dict[str, float], peaks: list[float], grad_norm: float, lr: float
 ) -> trainer_pb2.TrainMetrics:
     """The step's TrainMetrics from the batch-wide sums of ``_SUMS`` and maxima of ``_PEAKS``
     (step_seconds and update_ratio unset)."""
     tokens = max(values["tokens"], 1.0)
     extremes = {}
-    for name, value in zip(_PEAKS, peaks.tolist(), strict=True):
+    for name, value in zip(_PEAKS, peaks, strict=True):
         # A batch without completion tokens has no extremes (the reduction's -inf): report 0.
         extremes[name] = (
             (-value if name in _NEGATED_PEAKS else value) if math.isfinite(value) else 0.0
@@ -409,6 +411,9 @@ class TrainerEngine:
             else None
         )
         torch.manual_seed(self.settings.seed)
+        # Decided once: FSDP2 over the ranks, or the plain module of a one-rank trainer.
+        self.fsdp = uses_fsdp(self.settings.fsdp, self.env.world_size)
+        self._compute_context = compute_context(self.device, self.fsdp)
         compile_layers = self.settings.compile_layers
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
@@ -513,6 +518,7 @@ class TrainerEngine:
             trainable=trainable,
             compile_layers=compile_layers,
             activation_checkpointing=self.settings.activation_checkpointing,
+            fsdp=self.fsdp,
         )
         if self.settings.fused_logprobs:
             install_logprob_head(model)
@@ -552,11 +558,12 @@ class TrainerEngine:
                 self.settings.logprob_chunk_tokens,
                 self.logprob_kernels,
             )
-            with request_logprobs(model, request):
+            with request_logprobs(model, request), self._compute_context():
                 logprobs = model(**batch.model_inputs()).logits
             entropy = request.entropy
         else:
-            logits = model(**batch.model_inputs()).logits
+            with self._compute_context():
+                logits = model(**batch.model_inputs()).logits
             selected = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.token_index)
             logprobs, entropy = plain_logprobs(selected, batch.token_targets, temperature)
         return batch.to_rows(logprobs), batch.to_rows(entropy)
@@ -608,9 +615,15 @@ class TrainerEngine:
                     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=dp_group)
                 if replica is not None:  # the other pods' parts: sums and gradients add up
                     sums, peaks = replica.exchange(sums, peaks, self.model.parameters(), version)
-                grad_norm = float(clip_grad_norm(self.model.parameters(), self.settings.grad_clip))
+                norm = clip_grad_norm(self.model.parameters(), self.settings.grad_clip)
+                # The host reads the step's figures once: one device-to-host copy (on CUDA one
+                # synchronisation) for the gradient norm, the metric sums and the maxima.
+                grad_norm, *host = torch.cat(
+                    [norm.reshape(1).to(sums.device, sums.dtype), sums, peaks]
+                ).tolist()
+                host_sums, host_peaks = host[: len(_SUMS)], host[len(_SUMS) :]
                 # NaN/inf never reach the weights (a 3e38 advantage once made every one NaN).
-                _require_finite_step(float(sums[0]), grad_norm, version)
+                _require_finite_step(host_sums[0], grad_norm, version)
                 # For the update size; taken before the vote, so a rank short of memory for
                 # the copy aborts the step on every rank instead of stepping alone.
                 before = snapshot_parameters(self.model.parameters())
@@ -629,7 +642,7 @@ class TrainerEngine:
                 f"the cross-pod commit of version {version + 1} failed (a peer pod left or a "
                 f"cross-pod operation broke); version {version} is unchanged on this pod"
             )
-        metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), peaks, grad_norm, lr)
+        metrics = _metrics(dict(zip(_SUMS, host_sums, strict=True)), host_peaks, grad_norm, lr)
         # The commit: from here to the version bump nothing may fail between ranks.
         self.optimizer.step()
         new_version = self.train_state.advance()
@@ -729,8 +742,8 @@ class TrainerEngine:
             for part in micro_batches
         ]
         for index, batch in enumerate(batches):
-            last = index == len(batches) - 1
-            self.model.set_requires_gradient_sync(last)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(index == len(batches) - 1)
             logprobs, entropy = self._token_logprobs(self.model, batch)
             ref_logprobs = None
             if self.reference is not None:

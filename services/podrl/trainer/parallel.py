@@ -2,10 +2,13 @@
 
 Mesh: ``("dp_shard", "tp")`` of shape ``(dp_shard, tp)`` over all ranks. Tensor parallelism
 (``parallelize_module``) splits attention and MLP projections over ``tp``; FSDP2
-(``fully_shard``) then shards every parameter over ``dp_shard``. FSDP2 is applied even when
-``dp_shard == 1`` so that every parameter is a DTensor and a 1-rank run takes the same code path
-as an N-rank one. On CUDA the model computes in bf16 and keeps fp32 master weights (FSDP2's
-MixedPrecisionPolicy); on CPU everything is fp32.
+(``fully_shard``) then shards every parameter over ``dp_shard``. A trainer of one rank
+(``trainer.fsdp: auto``) trains the plain module instead: over one rank FSDP2 shards nothing and
+gathers nothing, yet its per-layer hooks and the DTensor dispatch of every parameter op cost
+host time each step that does not shrink with the batch (docs/performance.md, "The trainer's
+fixed cost"). On CUDA the model computes in bf16 and keeps fp32 master weights: FSDP2's
+MixedPrecisionPolicy (bf16 parameters in compute), or bf16 autocast over the plain module
+(:func:`compute_context`); on CPU everything is fp32.
 
 Attention: ``attn_implementation: sdpa`` loads the model with podrl's own attention
 (``podrl.trainer.batch``'s packed attention: causal SDPA for right-padded rows, flash varlen
@@ -20,8 +23,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +216,22 @@ def wrap_decoder_layers(
         layer.forward = forward
 
 
+def uses_fsdp(fsdp: str, world_size: int) -> bool:
+    """Whether the model is wrapped by FSDP2 (``trainer.fsdp``): always, or over several ranks."""
+    return fsdp == "always" or world_size > 1
+
+
+def compute_context(
+    device: torch.device, fsdp: bool
+) -> Callable[[], AbstractContextManager[object]]:
+    """The context of a forward, as a factory the step calls (torch's own, so the step runs no
+    code of this module): bf16 autocast for a plain module on CUDA (FSDP2's policy casts the
+    parameters itself), nothing otherwise."""
+    if device.type == "cuda" and not fsdp:
+        return partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    return nullcontext
+
+
 def parallelize(
     model: PreTrainedModel,
     mesh: DeviceMesh,
@@ -218,21 +239,28 @@ def parallelize(
     trainable: bool = True,
     compile_layers: bool = False,
     activation_checkpointing: bool = False,
+    fsdp: bool = True,
 ) -> PreTrainedModel:
-    """TP over ``mesh["tp"]`` (if > 1), then FSDP2 over ``mesh["dp_shard"]``, in place; then the
-    per-layer speed options (:func:`wrap_decoder_layers`)."""
+    """TP over ``mesh["tp"]`` (if > 1), then FSDP2 over ``mesh["dp_shard"]`` (or, ``fsdp``
+    false on a one-rank mesh, the plain module on ``device``), in place; then the per-layer
+    speed options (:func:`wrap_decoder_layers`)."""
     if mesh["tp"].size() > 1:
         check_tp(model, mesh["tp"].size())
         apply_tensor_parallel(model, mesh["tp"])
-    if device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if fsdp:
+        if device.type == "cuda":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        dp_mesh = mesh["dp_shard"]
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        # fully_shard moves parameters and buffers to the mesh's device.
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     else:
-        policy = MixedPrecisionPolicy()
-    dp_mesh = mesh["dp_shard"]
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-    # fully_shard moves parameters and buffers to the mesh's device.
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        if mesh.size() != 1:
+            raise ValueError(f"a plain module trains on one rank, not a mesh of {mesh.size()}")
+        model.to(device)
     wrap_decoder_layers(model, compile_layers, activation_checkpointing and trainable)
     if not trainable:
         model.eval()
