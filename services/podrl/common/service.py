@@ -298,6 +298,10 @@ def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
         if problem:  # the controller would refuse every registration under it
             raise ConfigError(f"worker_id (PODRL_WORKER_ID) {problem}")
         load_run_secret(config.auth, os.environ)
+        if name in ("trainer", "generator"):
+            # Compiled kernels and graphs persist across runs (config compile_cache_dir); the
+            # ranks and vLLM's processes inherit the variables.
+            os.environ.update(config.compile_cache_env())
         return config
     except ConfigError as err:
         print(f"podrl-{name}: {err}", file=sys.stderr)

@@ -13,7 +13,9 @@ the run length, prompt + completion vs the model length) are derived or checked 
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -63,6 +65,15 @@ class RunConfig(Section):
     device: Literal["cpu", "cuda", "auto"] = Field(
         "auto", description="cpu, cuda, or auto (cuda when available)."
     )
+    compile_cache_dir: Path | None = Field(
+        None,
+        description="Folder where the trainer's torch.compile caches (inductor, Triton) and "
+        "the generator's vLLM cache (its torch.compile cache) persist across runs, so a "
+        "warm start skips compiling; unset = <XDG_CACHE_HOME or ~/.cache>/podrl/compile. "
+        "Variables the environment already sets (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, "
+        "VLLM_CACHE_ROOT) win. The Helm chart mounts a volume here "
+        "(workers.compileCache).",
+    )
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -74,6 +85,21 @@ class RunConfig(Section):
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     environments: EnvironmentsConfig = Field(default_factory=EnvironmentsConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    def compile_cache_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The variables that point torch's and vLLM's compile caches into
+        ``compile_cache_dir``, less those ``environ`` (default: this process's) already sets."""
+        environ = os.environ if environ is None else environ
+        root = self.compile_cache_dir
+        if root is None:
+            home = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+            root = Path(home) / "podrl" / "compile"
+        wanted = {
+            "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+            "TRITON_CACHE_DIR": root / "triton",
+            "VLLM_CACHE_ROOT": root / "vllm",
+        }
+        return {name: str(path) for name, path in wanted.items() if not environ.get(name)}
 
     @model_validator(mode="after")
     def _couple_sections(self) -> RunConfig:
