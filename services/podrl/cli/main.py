@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from podrl.cli.local_cluster import ChildExitedError, LocalCluster
+from podrl.cli.local_cluster import ChildExitedError, LocalCluster, ready_line
 from podrl.cli.long_work import add_export_parser
 from podrl.cli.probes import grpc_health
 from podrl.cli.run_progress import follow_run
@@ -101,6 +101,7 @@ def _run_cluster(
         )
         if not cluster.wait_ready(startup_timeout, stop.is_set):
             return 0
+        console.print(f"podrl: {ready_line(cluster.ready_times())}", markup=False)
         urls = Table(title="podrl is up", show_header=False)
         for name, url in cluster.urls().items():
             urls.add_row(name, url)
