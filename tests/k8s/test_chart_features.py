@@ -145,6 +145,31 @@ def test_trainer_and_generator_load_one_model_folder_read_only(source: str) -> N
         assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 
 
+@pytest.mark.parametrize(
+    ("volume", "kind"),
+    [
+        (None, "emptyDir"),
+        ({"hostPath": {"path": "/var/cache/podrl", "type": "DirectoryOrCreate"}}, "hostPath"),
+        ({"persistentVolumeClaim": {"claimName": "compile-cache"}}, "persistentVolumeClaim"),
+    ],
+)
+def test_trainer_and_generator_keep_their_compile_caches_on_a_volume(
+    volume: dict[str, Any] | None, kind: str
+) -> None:
+    values = {"workers": {"compileCache": {"volume": volume}}} if volume else {}
+    pod = worker_pod(render(values))
+    (source,) = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
+    assert set(source) == {"name", kind}
+    for name in ("trainer", "generator"):
+        spec = container(pod, name)
+        (mount,) = [m for m in spec["volumeMounts"] if m["name"] == "compile-cache"]
+        assert mount == {"name": "compile-cache", "mountPath": "/var/cache/podrl"}, name
+        assert env_map(spec, FIELDS)["PODRL_COMPILE_CACHE_DIR"] == "/var/cache/podrl", name
+    grader = container(pod, "grader")
+    assert "compile-cache" not in {m["name"] for m in grader["volumeMounts"]}
+    assert "PODRL_COMPILE_CACHE_DIR" not in env_map(grader, FIELDS)
+
+
 def test_model_folder_inside_the_volume() -> None:
     run = _run_config(render({"model": {**MODEL_SOURCES["pvc"]["model"], "folder": "qwen/3b"}}))
     assert run["trainer"]["model_path"] == run["generator"]["model_path"] == "/models/qwen/3b"

@@ -140,6 +140,20 @@ def test_trainer_and_generator_start_once_the_model_is_written() -> None:
         assert {"condition": "service_healthy"} not in conditions, name
 
 
+def test_trainer_and_generator_keep_their_compile_caches_on_a_volume() -> None:
+    """The compile caches (PODRL_COMPILE_CACHE_DIR) live on a named volume that outlives the
+    containers; the images own its mount point, so a fresh volume is writable by the user."""
+    resolved = _resolved()
+    assert "compile-cache" in resolved["volumes"]
+    for name in ("trainer", "generator", "trainer-gpu", "generator-gpu"):
+        service = resolved["services"][name]
+        assert "compile-cache:/var/cache/podrl" in service["volumes"], name
+        assert service["environment"]["PODRL_COMPILE_CACHE_DIR"] == "/var/cache/podrl", name
+    for image in ("trainer", "generator"):
+        dockerfile = (REPO_ROOT / "docker" / image / "Dockerfile").read_text()
+        assert "install -d -o 10001 -g 10001 /var/lib/podrl /var/cache/podrl" in dockerfile
+
+
 def test_containers_are_hardened_and_never_privileged() -> None:
     for name, service in _resolved()["services"].items():
         assert service["user"] == "10001:10001", name
