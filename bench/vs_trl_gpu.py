@@ -973,10 +973,13 @@ SPEED_KEYS = (
 
 def speed_config(opts: Options, workload: str) -> dict[str, Any]:
     """The recipe at ``workload``'s shape, with ``opts``' step count for it."""
+    from bench.run_env import set_steps
+
     config = recipe(opts)
     for key, value in SPEED_WORKLOADS[workload]["set"].items():
         set_dotted(config, key, CPU_REHEARSAL.get(key, value) if opts.device == "cpu" else value)
-    config["loop"]["steps"] = opts.speed_steps.get(workload, SPEED_WORKLOADS[workload]["steps"])
+    # The recipe's schedule shortened with the run (set_steps scales its warmup).
+    set_steps(config, opts.speed_steps.get(workload, SPEED_WORKLOADS[workload]["steps"]))
     config["loop"].update(eval_prompts=0, eval_every=0)
     config["loop"]["export_at_end"] = False
     return config
