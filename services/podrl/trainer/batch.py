@@ -354,49 +354,54 @@ def collate(
     # Sequences of one length have no padding as rows, and rows run the faster fixed-length
     # attention kernels (on an H200, cuDNN's instead of flash varlen's).
     packed = packed and len(set(lengths)) > 1
-    if packed:
-        input_ids = torch.empty((1, total), dtype=torch.long)
-        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
-        mask = None
-    else:
-        input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-        position_ids = cu_seqlens = None
-        offsets = [row * length for row in range(rows)]
-        mask = torch.zeros((rows, length), dtype=torch.long) if attention_mask else None
-    loss_mask = torch.zeros((rows, length - 1))
-    generator_logprobs = torch.zeros((rows, length - 1))
-    gather_index = torch.zeros((rows, length - 1), dtype=torch.long)
-    token_index, token_targets = [], []
+    # Plain lists first, then one tensor per field: a tensor per sequence and field cost a
+    # step of 128 short sequences several milliseconds of host time (docs/performance.md).
+    starts = _starts(lengths) if packed else [row * length for row in range(rows)]
+    ids: list[int] = []
+    targets: list[int] = []  # the completion tokens, each predicted at a token_index position
+    token_index: list[int] = []  # flat positions of the model's [rows * length] outputs
+    loss_cells: list[int] = []  # flat positions of the [rows, length - 1] loss tensors
+    loss_values: list[float] = []
+    logprob_values: list[float] = []
     for row, seq in enumerate(sequences):
         prompt, completion = len(seq.prompt_ids), len(seq.completion_ids)
-        ids = torch.tensor([*seq.prompt_ids, *seq.completion_ids], dtype=torch.long)
-        start = offsets[row]
-        if packed:
-            input_ids[0, start : start + prompt + completion] = ids
-        else:
-            input_ids[row, : prompt + completion] = ids
-            if mask is not None:
-                mask[row, : prompt + completion] = 1
+        ids += seq.prompt_ids
+        ids += seq.completion_ids
+        targets += seq.completion_ids
+        start = starts[row]
         # Logits at positions prompt-1 .. prompt+completion-2 predict the completion tokens.
         first = prompt - 1
+        token_index += range(start + first, start + first + completion)
+        cell = row * (length - 1) + first
+        loss_cells += range(cell, cell + completion)
         # An episode's mask leaves its environment replies out of every sum over the mask.
-        loss_mask[row, first : first + completion] = (
-            torch.tensor(list(seq.completion_mask), dtype=loss_mask.dtype)
-            if seq.completion_mask
-            else 1
+        loss_values += seq.completion_mask if seq.completion_mask else [1.0] * completion
+        logprob_values += seq.generator_logprobs
+    flat_ids = torch.tensor(ids, dtype=torch.long)
+    if packed:
+        input_ids = flat_ids.unsqueeze(0)
+        position_ids = torch.tensor([i for n in lengths for i in range(n)]).unsqueeze(0)
+        cu_seqlens = torch.tensor([*starts, total], dtype=torch.int32)
+        mask = None
+    else:
+        real = torch.tensor(
+            [row * length + i for row, n in enumerate(lengths) for i in range(n)],
+            dtype=torch.long,
         )
-        generator_logprobs[row, first : first + completion] = torch.tensor(
-            list(seq.generator_logprobs)
-        )
-        gather_index[row, first : first + completion] = torch.arange(
-            len(token_index) + 1, len(token_index) + 1 + completion
-        )
-        token_index.extend(range(start + first, start + first + completion))
-        token_targets.append(ids[prompt:])
+        input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+        input_ids.view(-1)[real] = flat_ids
+        position_ids = cu_seqlens = None
+        mask = None
+        if attention_mask:
+            mask = torch.zeros((rows, length), dtype=torch.long)
+            mask.view(-1)[real] = 1
+    cells = torch.tensor(loss_cells, dtype=torch.long)
+    loss_mask = torch.zeros((rows, length - 1))
+    loss_mask.view(-1)[cells] = torch.tensor(loss_values, dtype=loss_mask.dtype)
+    generator_logprobs = torch.zeros((rows, length - 1))
+    generator_logprobs.view(-1)[cells] = torch.tensor(logprob_values, dtype=torch.float32)
+    gather_index = torch.zeros((rows, length - 1), dtype=torch.long)
+    gather_index.view(-1)[cells] = torch.arange(1, len(loss_cells) + 1)
     advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
     return MicroBatch(
         input_ids=input_ids,
@@ -405,12 +410,21 @@ def collate(
         cu_seqlens=cu_seqlens,
         max_seqlen=length,
         token_index=torch.tensor(token_index, dtype=torch.long),
-        token_targets=torch.cat(token_targets),
+        token_targets=torch.tensor(targets, dtype=torch.long),
         gather_index=gather_index,
         loss_mask=loss_mask,
         generator_logprobs=generator_logprobs,
         advantages=advantages,
     )
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    """Where each sequence starts in the concatenation of all: [0, n_0, n_0 + n_1, ...]."""
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    return starts
 
 
 def _micro_batches(
