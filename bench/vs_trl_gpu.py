@@ -1010,11 +1010,8 @@ def ready_seconds(log: Path) -> dict[str, float]:
     """The services' start-up times as ``podrl run`` printed them (``ready after: ...``)."""
     for line in log.read_text(errors="replace").splitlines():
         if "ready after:" in line:
-            parts = line.split("ready after:", 1)[1].split(",")
-            return {
-                name: float(seconds)
-                for name, seconds, _unit in (part.split() for part in parts if part.strip())
-            }
+            words = [part.split() for part in line.split("ready after:", 1)[1].split(",")]
+            return {w[0]: float(w[1]) for w in words if len(w) == 3 and w[2] == "s"}
     return {}
 
 

@@ -72,7 +72,12 @@ def test_a_dead_pod_service_is_started_again_and_sigterm_stops_every_child(
 ) -> None:
     proc = _start_up(tmp_path)
     try:
-        _wait_until_up(proc)
+        started = _wait_until_up(proc)
+        # How long each service took to become ready, on one line however narrow the output.
+        (ready,) = [line for line in started if line.startswith("podrl: ready after: ")]
+        assert re.fullmatch(
+            r"podrl: ready after: controller [\d.]+ s(, \w+ [\d.]+ s){3}\n", ready
+        ), ready
         children = _children(proc)
         # The default run may grow to more pods, so the Lighthouse runs beside the controller.
         assert set(children) == SERVICES | {"trainer.lighthouse"}

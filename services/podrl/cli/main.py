@@ -101,7 +101,8 @@ def _run_cluster(
         )
         if not cluster.wait_ready(startup_timeout, stop.is_set):
             return 0
-        console.print(f"podrl: {ready_line(cluster.ready_times())}", markup=False)
+        # One line whatever the terminal's width: benches read it from the run's log.
+        console.print(f"podrl: {ready_line(cluster.ready_times())}", markup=False, soft_wrap=True)
         urls = Table(title="podrl is up", show_header=False)
         for name, url in cluster.urls().items():
             urls.add_row(name, url)
