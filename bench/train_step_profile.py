@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         for variant in args.variants.split(","):
             row = run_variant(variant, model, workload, args.device, args)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()  # the next variant builds its own model
             print_row(row)
             rows.append(row)
     result = {
