@@ -6,7 +6,8 @@ Protocol per rank (files under ``out``), for versions 1 and 2:
 1. a GRPO ``train_step`` (the second one blocks in the optimizer pre-step hook until the
    generator acknowledged version 1 by writing ``ack-1``);
 2. ``WeightPublishing.publish`` (every rank its own shards, rank 0 assembles the manifest);
-3. every parameter's full tensor (DTensor ``full_tensor``) for the test to compare against;
+3. every parameter's full tensor (DTensor ``full_tensor``; a one-rank trainer's parameters are
+   plain tensors) for the test to compare against;
    rank 0 writes ``full-<v>.pt`` and then ``manifest-<v>.bin``.
 
 Rank 0 writes ``report.json`` (losses, dtypes seen in forward, hook timings) and every rank
@@ -66,7 +67,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
     engine.optimizer.register_step_pre_hook(lambda *_: events["hook_released"].append(time.time()))
     forward_dtypes: list[str] = []
     q_proj = engine.model.model.layers[0].self_attn.q_proj
-    q_proj.register_forward_pre_hook(lambda m, _: forward_dtypes.append(str(m.weight.dtype)))
+    # The dtype the projection computed in: FSDP2's bf16 parameters, or bf16 autocast over the
+    # fp32 weights of a one-rank trainer's plain module.
+    q_proj.register_forward_hook(lambda _m, _i, out: forward_dtypes.append(str(out.dtype)))
 
     stop = threading.Event()
 
@@ -89,7 +92,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
             assert engine.policy_version == version
             reply = sync.publish(trainer_pb2.PublishWeightsRequest().SerializeToString())
             full = {
-                name: param.full_tensor().detach().cpu()
+                name: (param.full_tensor() if hasattr(param, "full_tensor") else param)
+                .detach()
+                .cpu()
                 for name, param in engine.model.named_parameters()
             }
             if rank == 0:
@@ -97,7 +102,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, dp: int, tp: int,
                 manifest = trainer_pb2.PublishWeightsResponse.FromString(reply).manifest
                 write_atomic(out_dir / f"manifest-{version}.bin", manifest.SerializeToString())
         master = {str(p.dtype) for p in engine.model.parameters()}
-        placements = sorted({str(p.placements) for p in engine.model.parameters()})
+        placements = sorted(
+            {str(getattr(p, "placements", "plain")) for p in engine.model.parameters()}
+        )
         if rank == 0:
             report = {
                 "losses": losses,
