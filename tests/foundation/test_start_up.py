@@ -13,7 +13,7 @@ import pytest
 
 import podrl.cli.local_cluster as local_cluster
 from podrl.cli.local_cluster import Child, LocalCluster, LocalPod, ready_line
-from podrl.common.service import parse_service_args
+from podrl.common.service import parse_service_args, use_compile_cache
 from podrl.config import RunConfig, load_config
 
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
@@ -54,6 +54,20 @@ def test_the_trainer_and_the_generator_point_their_caches_there_at_start(
         pointed
     )
     assert (environ.get("VLLM_CACHE_ROOT") == str(tmp_path / "cache" / "vllm")) is pointed
+
+
+def test_a_cache_folder_it_cannot_write_leaves_the_defaults_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    monkeypatch.setattr(os, "environ", environ)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")  # a file where the folder should be: no user can create it
+    use_compile_cache(RunConfig(compile_cache_dir=blocked), "generator")
+    assert not set(CACHE_VARIABLES) & set(environ)
+    warning = capsys.readouterr().err
+    assert warning.startswith("podrl-generator: warning: compile_cache_dir: ")
+    assert "make the folder writable" in warning
 
 
 def test_the_launcher_reports_how_long_each_service_took_to_become_ready(

@@ -282,6 +282,28 @@ def worker_spec(
     )
 
 
+def use_compile_cache(config: RunConfig, name: str) -> None:
+    """Point this process's compile caches into ``compile_cache_dir``, so compiled kernels and
+    graphs persist across runs; its ranks and vLLM's processes inherit the variables. A folder
+    it cannot write (e.g. a volume an older image has no mount point for, owned by root) leaves
+    the caches where torch and vLLM put them by default: a warning, not a failed start."""
+    wanted = config.compile_cache_env()
+    try:
+        for folder in wanted.values():
+            os.makedirs(folder, exist_ok=True)
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(f"{folder} is not writable by this user")
+    except OSError as err:
+        message = (
+            f"compile_cache_dir: {err}; the {name}'s compile caches stay in their default "
+            "folders and do not outlive this process (make the folder writable by this user)"
+        )
+        log.warning("%s", message)
+        print(f"podrl-{name}: warning: {message}", file=sys.stderr)
+        return
+    os.environ.update(wanted)
+
+
 def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
     """``podrl-<name> [--config FILE]`` → validated RunConfig (exits 2 on a bad config, or
     when the run secret is missing or unreadable: checked here, before any slow start-up)."""
@@ -299,9 +321,7 @@ def parse_service_args(name: str, argv: Sequence[str] | None) -> RunConfig:
             raise ConfigError(f"worker_id (PODRL_WORKER_ID) {problem}")
         load_run_secret(config.auth, os.environ)
         if name in ("trainer", "generator"):
-            # Compiled kernels and graphs persist across runs (config compile_cache_dir); the
-            # ranks and vLLM's processes inherit the variables.
-            os.environ.update(config.compile_cache_env())
+            use_compile_cache(config, name)
         return config
     except ConfigError as err:
         print(f"podrl-{name}: {err}", file=sys.stderr)
