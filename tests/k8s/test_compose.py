@@ -6,6 +6,7 @@ is active in the same profiles. The CPU profile runs in containers too (marked `
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -14,6 +15,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +28,7 @@ from compose_spec import PyCompose
 from podrl.config import load_config
 from podrl.tools.render_k8s import REPO_ROOT
 from tests.k8s.local_pod import wait_until
-from tests.k8s.podman_pod import missing_requirements, podman, podman_env
+from tests.k8s.podman_pod import inspect, missing_requirements, podman, podman_env
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
 PODMAN_OVERRIDE = REPO_ROOT / "docker" / "compose" / "podman.yaml"
@@ -268,12 +272,12 @@ def _container(service: str) -> str:
     return name
 
 
-@pytest.mark.containers
-@pytest.mark.slow
-def test_the_cpu_profile_trains_a_short_run_in_containers(tmp_path) -> None:
-    """podman-compose with docker/compose/podman.yaml runs the CPU profile from the built
-    images (make images VARIANT=cpu): the run of docker/compose/run.yaml finishes, its export
-    loads, and only the trainer and the generator share /dev/shm and a PID namespace."""
+@contextlib.contextmanager
+def _compose_up(profiles: str, *extra_files: Path) -> Iterator[Callable[[str], Any]]:
+    """``up -d`` of ``profiles`` with podman-compose from the built images, ``extra_files`` as
+    further ``-f`` overrides: once the run has finished, yields a GET of the controller's REST
+    API from the host (path -> JSON); ``down --volumes`` at the end. Skips without
+    podman-compose or an image."""
     command = _compose()
     if command is None or command[0] == "docker":
         pytest.skip("runs with podman-compose (podman and the dev requirements)")
@@ -288,33 +292,48 @@ def test_the_cpu_profile_trains_a_short_run_in_containers(tmp_path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = _compose_env(
-        PODRL_RUN_SECRET=secrets.token_hex(32), PODRL_HTTP_PORT=str(port), COMPOSE_PROFILES="cpu"
+        PODRL_RUN_SECRET=secrets.token_hex(32), PODRL_HTTP_PORT=str(port), COMPOSE_PROFILES=profiles
     )
+    command = [*command, *(arg for f in extra_files for arg in ("-f", str(f)))]
 
     def compose(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [*command, *args], env=env, capture_output=True, text=True, timeout=600, check=False
         )
 
-    config = load_config(REPO_ROOT / _resolved()["configs"]["run-config"]["file"], {})
+    def rest(path: str) -> Any:
+        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).json()
+
+    def status() -> dict[str, Any]:
+        try:
+            return rest("/v1/status")
+        except httpx.HTTPError:
+            return {"phase": "starting"}
+
+    def finished() -> bool:
+        now = status()
+        assert now["phase"] != "failed", now.get("error")
+        return now["phase"] == "finished"
+
     compose("down", "--volumes", "-t", "10")  # a run of this project left behind
     try:
         done = compose("up", "-d")
         assert done.returncode == 0, done.stderr[-3000:]
-
-        def status() -> dict[str, Any]:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5).json()
-            except httpx.HTTPError:
-                return {"phase": "starting"}
-
-        def finished() -> bool:
-            now = status()
-            assert now["phase"] != "failed", now.get("error")
-            return now["phase"] == "finished"
-
         wait_until(finished, RUN_TIMEOUT, lambda: None, "the compose run")
-        now = status()
+        yield rest
+    finally:
+        compose("down", "--volumes", "-t", "30")
+
+
+@pytest.mark.containers
+@pytest.mark.slow
+def test_the_cpu_profile_trains_a_short_run_in_containers(tmp_path) -> None:
+    """podman-compose with docker/compose/podman.yaml runs the CPU profile from the built
+    images (make images VARIANT=cpu): the run of docker/compose/run.yaml finishes, its export
+    loads, and only the trainer and the generator share /dev/shm and a PID namespace."""
+    config = load_config(REPO_ROOT / _resolved()["configs"]["run-config"]["file"], {})
+    with _compose_up("cpu") as rest:
+        now = rest("/v1/status")
         assert now["step"] == config.loop.steps and now["policy_version"] > 0, now
         assert now["healthy_pods"] == ["compose-worker-0"], now
         trainer = _container("trainer")
@@ -332,5 +351,43 @@ def test_the_cpu_profile_trains_a_short_run_in_containers(tmp_path) -> None:
         seen = podman("exec", generator, "cat", "/proc/1/cmdline").stdout
         assert "podrl-trainer" in seen, seen
         assert "podrl-trainer" not in podman("exec", grader, "cat", "/proc/1/cmdline").stdout
+
+
+@pytest.mark.containers
+@pytest.mark.slow
+def test_the_environments_profile_plays_episodes_in_containers() -> None:
+    """Profile ``environments`` with a run config whose task names the built-in calculator:
+    the environment service runs in the generator's network namespace, where the controller
+    finds it, and every step plays its episodes (two prompts x four samples)."""
+    run_config = yaml.safe_load((REPO_ROOT / "docker" / "compose" / "run.yaml").read_text())
+    run_config["loop"]["steps"] = 2
+    run_config["tasks"] = {
+        "definitions": [
+            {
+                "name": "calc",
+                "source": {"kind": "procedural", "generator": "add"},
+                "rewards": [{"name": "exact_match"}],
+                "environment": "calculator",
+            }
+        ]
+    }
+    # Readable by the containers' user (pytest's tmp_path is root's alone).
+    folder = Path(tempfile.mkdtemp(prefix="podrl-compose-"))
+    folder.chmod(0o755)
+    try:
+        (folder / "run.yaml").write_text(yaml.safe_dump(run_config))
+        (folder / "run.yaml").chmod(0o644)
+        mount = f"{folder / 'run.yaml'}:/etc/podrl/run.yaml:ro"
+        names = ("controller", "grader", "trainer", "generator", "environments")
+        override = {"services": {n: {"volumes": [mount]} for n in names}}
+        (folder / "config.yaml").write_text(yaml.safe_dump(override))
+        with _compose_up("cpu,environments", folder / "config.yaml") as rest:
+            assert rest("/v1/status")["step"] == 2
+            steps = rest("/v1/steps")
+            environments = inspect(_container("environments"))
+        assert [s["step"] for s in steps] == [1, 2]
+        for record in steps:
+            assert record["metrics"]["episodes"] == 8, record
+        assert environments["HostConfig"]["NetworkMode"].startswith("container:")
     finally:
-        compose("down", "--volumes", "-t", "30")
+        shutil.rmtree(folder, ignore_errors=True)
