@@ -14,8 +14,9 @@ variant, three passes over the same steps:
    of each step (device synchronised at its end), median/p90/max, and per step what may explain
    a spike (graphs compiled, device allocations, a garbage collection, the batch's size);
 2. **phases**: the same steps again with the engine's parts wrapped (collate, copy to the
-   device, forward, loss, backward, metric sums, gradient norm and clip, host reads, snapshot
-   for the update size, optimizer, update size, zero_grad); on CUDA every part synchronises
+   device, forward, loss, backward, gradient norm and clip, the finiteness check, snapshot for
+   the update size, optimizer, update size, zero_grad, agreement; the metric sums and the host
+   read fall in "other"); on CUDA every part synchronises
    the device at its ends, so each part's time includes its kernels. Exclusive times
    (a part's children are subtracted), medians per part, and "other" = the step less the parts;
 3. **profile**: one step under ``torch.profiler``: host synchronisations (on CUDA), FSDP's CPU
@@ -282,7 +283,7 @@ def phases_wrapped(engine, clock: PhaseClock) -> Iterator[None]:
     patch(engine_module, "policy_loss", "loss")
     patch(torch.Tensor, "backward", "backward")
     patch(engine_module, "clip_grad_norm", "grad norm + clip")
-    patch(engine_module, "_require_finite_step", "host read + checks")
+    patch(engine_module, "_require_finite_step", "finiteness check")
     patch(engine_module, "snapshot_parameters", "snapshot for the update size")
     patch(engine.optimizer, "step", "optimizer")
     patch(engine_module, "update_ratio", "update size")
