@@ -2,7 +2,8 @@
 the host's wheelhouse (``make wheelhouse`` output, hard-linked), and builds the base image and
 every image of one variant there into an empty container store, so no layer comes from an
 earlier build. Writes each step's time and each image's size to a JSON file
-(bench/results/images_cpu.json; docs/kubernetes.md states its figures).
+(bench/results/images_fresh_clone_<variant>.json, its table beside it; docs/kubernetes.md
+states its figures).
 
     python bench/images_fresh_clone.py --variant cpu --wheelhouse wheelhouse/cpu
 
@@ -25,6 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script (python bench/NAME.py): bench is a package
+
+from bench import results_table  # noqa: E402
+
 BASE_IMAGE = "localhost/podrl-python:3.11-bookworm"
 BUILT = re.compile(r"^built (?P<ref>\S+) in (?P<seconds>\d+) s$", re.M)
 
@@ -71,13 +76,14 @@ def main() -> None:
     wheels = args.wheelhouse.resolve()
     if not (wheels / ".complete").is_file():
         sys.exit(f"{wheels} lacks .complete: run make wheelhouse VARIANT={args.variant}")
-    out = args.out or REPO / "bench" / "results" / f"images_{args.variant}.json"
+    out = args.out or REPO / "bench" / "results" / f"images_fresh_clone_{args.variant}.json"
     folder = Path(tempfile.mkdtemp(prefix="podrl-fresh-clone-"))
     clone = folder / "clone"
     log = folder / "build.log"
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.strip()
+    stamp = results_table.stamp()  # the start: date, and the commit the clone checks out
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
     subprocess.run(["git", "checkout", "--quiet", commit], cwd=clone, check=True)
     target = clone / "wheelhouse" / args.variant
@@ -94,7 +100,7 @@ def main() -> None:
         )
         built = {m["ref"]: int(m["seconds"]) for m in BUILT.finditer(output)}
         result = {
-            "commit": commit,
+            **stamp,
             "variant": args.variant,
             "engine": subprocess.run(
                 ["podman", "--version"], capture_output=True, text=True, check=True
@@ -112,6 +118,7 @@ def main() -> None:
         }  # fmt: skip
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
+        results_table.update("images_fresh_clone", out)
     finally:
         if not args.keep:
             # The store is a folder of its own: removing it removes every image built here

@@ -157,6 +157,20 @@ LAYOUTS: dict[str, Layout] = {
             ("version-only apply ms", "apply_version_only_ms"),
         ),
     ),
+    "images_fresh_clone": Layout(
+        rows=("images",),
+        columns=(
+            ("cpus", "/cpus"),
+            ("engine", "/engine"),
+            ("variant", "/variant"),
+            ("base image s", "/base_image/seconds"),
+            ("base image MB", "/base_image/size_mb"),
+            ("image", "ref"),
+            ("build s", "seconds"),
+            ("size MB", "size_mb"),
+            ("make images s", "/images_seconds"),
+        ),
+    ),
     "in_flight_apply": Layout(
         rows=("rows",),
         columns=(
