@@ -176,7 +176,7 @@ def test_the_readmes_gpu_figures_are_the_measured_ones() -> None:
     after = [row["heldout_after"] for row in podrl]
     assert len(podrl) == 9 and len(before) == 1
     claim = (
-        f"raises the held-out accuracy from {before.pop():.2f} to "
+        f"raised the held-out accuracy from {before.pop():.2f} to "
         f"{min(after):.2f}\u2013{max(after):.2f} in sync and async mode"
     )
     readme = " ".join((root / "README.md").read_text().split())
