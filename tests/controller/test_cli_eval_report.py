@@ -77,6 +77,19 @@ def test_the_table_has_every_evaluation_and_the_curve_its_ends() -> None:
     assert curve.startswith("reward 0.10 |") and "| 1.00" in curve
 
 
+def test_a_run_of_episodes_adds_its_tool_call_rate_and_accuracy_with_and_without_a_call() -> None:
+    tool_use = {"tool_call_rate": 0.75, "accuracy_with_tool": 0.875, "accuracy_without_tool": 0.0}
+    rows = [
+        {"step": 0, "policy_version": 0, "prompts": 64, "accuracy": 0.05, "reward_mean": 0.05,
+         "when": "initial", "error": None, "tool_use": tool_use},
+    ]  # fmt: skip
+    text = _printed(eval_table(rows))
+    assert "tool-call rate" in text and "accuracy with a call" in text
+    assert "0.750" in text and "0.875" in text and "0.000" in text
+    plain = [{k: v for k, v in rows[0].items() if k != "tool_use"}]
+    assert "tool-call rate" not in _printed(eval_table(plain))  # single-turn: as before
+
+
 def test_the_reward_curve_png_needs_matplotlib_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -301,3 +301,40 @@ def test_evaluation_knobs_without_what_they_need_are_refused(
         task["split"] = tasks_split
     with pytest.raises(ValueError, match=message):
         RunConfig.model_validate({"loop": loop, "tasks": {"definitions": [task]}})
+
+
+def _turn(tool_calls: int, tool_errors: int = 0) -> dict[str, object]:
+    return {"action": "x", "observation": "", "tool_calls": tool_calls, "tool_errors": tool_errors}
+
+
+def test_an_evaluation_of_episodes_says_how_accuracy_splits_by_tool_calls() -> None:
+    data = _scored(
+        {
+            "p/1": ("calc", 1.0),  # called the tool, right
+            "p/2": ("calc", 0.0),  # called it twice (one failed), wrong
+            "p/3": ("calc", 0.0),  # answered without a call, wrong
+            "p/4": ("calc", None),  # the environment failed: in no figure
+            "c/1": ("copy", 1.0),  # single-turn: no turns, no tool figures
+        }
+    )
+    data.turns = {
+        "p/1#0": [_turn(1), _turn(0)],
+        "p/2#0": [_turn(1, 1), _turn(1), _turn(0)],
+        "p/3#0": [_turn(0)],
+        "p/4#0": [_turn(1)],
+    }
+    figures = score_evaluation(data, {"calc": 1.0, "copy": 1.0})
+    expected = {
+        "episodes": 3,
+        "tool_call_rate": pytest.approx(2 / 3),
+        "accuracy_with_tool": 0.5,
+        "accuracy_without_tool": 0.0,
+        "tool_calls": 3,
+        "tool_errors": 1,
+    }
+    assert figures["tool_use"] == expected
+    assert figures["by_task"]["calc"]["tool_use"] == expected
+    assert "tool_use" not in figures["by_task"]["copy"]
+    assert figures["accuracy"] == pytest.approx(2 / 4)
+    # Without episodes an evaluation has no tool figures at all.
+    assert "tool_use" not in score_evaluation(_scored({"c/1": ("copy", 1.0)}), {"copy": 1.0})

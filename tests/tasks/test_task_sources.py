@@ -166,6 +166,20 @@ def test_procedural_tasks() -> None:
         assert item.prompt.isprintable() and item.reference.isprintable()
 
 
+def test_mul_asks_products_and_its_target_may_use_the_operands() -> None:
+    task = {
+        "name": "products",
+        "source": {"kind": "procedural", "generator": "mul", "min_value": 100, "max_value": 999},
+        "target_template": "<calc>{a}*{b}</calc><answer>{answer}</answer>",
+        "rewards": [{"name": "exact_match"}],
+    }
+    for item in build_task_source(_tasks([task])).next_prompts(20):
+        a, b = item.prompt.removesuffix("=").split("*")
+        assert 100 <= int(a) <= 999 and 100 <= int(b) <= 999
+        assert item.reference == str(int(a) * int(b))
+        assert item.target == f"<calc>{a}*{b}</calc><answer>{item.reference}</answer>"
+
+
 def test_mixture_follows_weights_and_resumes() -> None:
     definitions = [
         {

@@ -51,21 +51,34 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+#: The columns an evaluation of episodes adds: does the rise come from calling the tool?
+TOOL_COLUMNS = (
+    ("tool-call rate", "tool_call_rate"),
+    ("accuracy with a call", "accuracy_with_tool"),
+    ("accuracy without", "accuracy_without_tool"),
+)
+
+
 def eval_table(evaluations: list[dict[str, Any]]) -> Table:
-    """Every evaluation of the run, the first (before RL) and the last (after it) marked."""
+    """Every evaluation of the run, the first (before RL) and the last (after it) marked; a run
+    of episodes adds its tool-call rate and its accuracy with and without a tool call."""
     table = Table(title="held-out evaluation (greedy, prompts never trained on)")
-    for column in ("after step", "policy version", "prompts", "accuracy", "mean reward", "when"):
+    tools = any(evaluation.get("tool_use") for evaluation in evaluations)
+    columns = ["after step", "policy version", "prompts", "accuracy", "mean reward"]
+    for column in [*columns, *(name for name, _ in TOOL_COLUMNS if tools), "when"]:
         table.add_column(column)
     for evaluation in evaluations:
         when = escape(str(evaluation.get("when", "")))
         if evaluation.get("error"):
             when = f"{when}: failed ({escape(str(evaluation['error']))})"
+        tool_use = evaluation.get("tool_use") or {}
         table.add_row(
             str(evaluation["step"]),
             str(evaluation["policy_version"]),
             str(evaluation["prompts"]),
             _fmt(evaluation.get("accuracy")),
             _fmt(evaluation.get("reward_mean")),
+            *(_fmt(tool_use.get(key)) for _, key in TOOL_COLUMNS if tools),
             when,
         )
     return table

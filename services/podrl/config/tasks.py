@@ -61,11 +61,12 @@ class ProceduralSourceConfig(Section):
     """
 
     kind: Literal["procedural"] = "procedural"
-    generator: Literal["add", "copy", "reverse"] = Field(
-        description="add: 'a+b=' -> sum; copy: 'copy:abc=' -> abc; reverse: 'reverse:abc=' -> cba."
+    generator: Literal["add", "mul", "copy", "reverse"] = Field(
+        description="add: 'a+b=' -> sum; mul: 'a*b=' -> product; copy: 'copy:abc=' -> abc; "
+        "reverse: 'reverse:abc=' -> cba."
     )
-    min_value: int = Field(0, ge=0, description="add: smallest operand.")
-    max_value: int = Field(9, ge=0, description="add: largest operand.")
+    min_value: int = Field(0, ge=0, description="add/mul: smallest operand.")
+    max_value: int = Field(9, ge=0, description="add/mul: largest operand.")
     min_length: int = Field(1, ge=1, description="copy/reverse: shortest string.")
     max_length: int = Field(3, ge=1, description="copy/reverse: longest string.")
     alphabet: str = Field(
@@ -171,7 +172,10 @@ class TaskConfig(Section):
     )
     target_template: str = Field(
         "{answer}",
-        description="The ideal completion for a supervised warm-start (str.format with answer).",
+        description="The ideal completion for a supervised warm-start (str.format with answer "
+        "and the item's metadata fields). With environment: the model's side of an episode, "
+        "split into turns after each turn_stop string; the warm-start plays it against the "
+        "environment and trains it with the replies masked.",
     )
     rewards: list[RewardConfig] = Field(
         min_length=1, description="Reward functions; the task's reward is their weighted sum."

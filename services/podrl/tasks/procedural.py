@@ -1,6 +1,8 @@
 """Tiny built-in procedural tasks with short answers, learnable by a small character model.
 
 - ``add``: ``"3+5="`` -> ``"8"`` (operands in [min_value, max_value]);
+- ``mul``: ``"123*456="`` -> ``"56088"`` (operands in [min_value, max_value]; 3-digit products are
+  beyond the tiny model's head, the calculator environment's task);
 - ``copy``: ``"copy:abc="`` -> ``"abc"``;
 - ``reverse``: ``"reverse:abc="`` -> ``"cba"`` (strings of min_length..max_length characters).
 """
@@ -21,10 +23,12 @@ class ProceduralRecords(RecordStream):
         cfg = self._config
         # A string seed is hashed with SHA-512 by `random`: stable across runs and platforms.
         rng = random.Random(f"{self._seed}:{index}")
-        if cfg.generator == "add":
+        if cfg.generator in ("add", "mul"):
             a = rng.randint(cfg.min_value, cfg.max_value)
             b = rng.randint(cfg.min_value, cfg.max_value)
-            return Record(f"{a}+{b}=", str(a + b), {"a": str(a), "b": str(b)})
+            if cfg.generator == "add":
+                return Record(f"{a}+{b}=", str(a + b), {"a": str(a), "b": str(b)})
+            return Record(f"{a}*{b}=", str(a * b), {"a": str(a), "b": str(b)})
         length = rng.randint(cfg.min_length, cfg.max_length)
         text = "".join(rng.choice(cfg.alphabet) for _ in range(length))
         answer = text if cfg.generator == "copy" else text[::-1]

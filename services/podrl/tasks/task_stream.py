@@ -230,7 +230,7 @@ class TaskStream(TaskSource):
             task=name,
             prompt=self._template.render(variables),
             reference=record.answer,
-            target=self._target.render({"answer": record.answer}),
+            target=self._target.render({**record.metadata, "answer": record.answer}),
             metadata=dict(record.metadata),
         )
 

@@ -14,6 +14,11 @@ warm-start part lends it its training part, drawn by a stream of its own (:func:
 every task reseeded from its run seed, whether the task sets ``seed`` itself or derives it from
 ``tasks.seed``); over a small prompt space (e.g. 155 copy prompts) such a stream still draws prompt
 texts of the RL stream, so give every task a ``split.warm_start`` to keep them apart.
+
+A task that names an environment is trained as RL plays it (:class:`EpisodeTargets`): its
+target is the model's side of an episode, played turn by turn against the environment, whose
+replies are in the sequence with loss mask 0, so the warm-start never trains the model to write
+what the tool answers.
 """
 
 from __future__ import annotations
@@ -26,9 +31,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from podrl.config import RunConfig
-from podrl.config.tasks import TasksConfig
-from podrl.tasks import TaskMixture, build_task_source
+from podrl.config import ConfigError, RunConfig
+from podrl.config.tasks import TaskConfig, TasksConfig
+from podrl.environments.isolation import (
+    EnvironmentSpec,
+    Limits,
+    reset_episode,
+    resolve_environments,
+    step_episode,
+)
+from podrl.tasks import PromptItem, TaskMixture, build_task_source
 from podrl.tasks.factory import task_seed
 from podrl.tasks.task_stream import derive_seed
 from podrl.trainer.parallel import wants_cuda
@@ -58,6 +70,88 @@ def warm_start_source(tasks: TasksConfig, seed: int) -> TaskMixture:
     return build_task_source(warm_start_tasks(tasks, seed), part="warm_start")
 
 
+@dataclass(frozen=True)
+class TargetTokens:
+    """One supervised sequence: the prompt (never trained) and the completion with its mask
+    (1 trained, 0 an environment's reply)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    mask: list[int]
+
+
+def split_turns(target: str, turn_stop: list[str]) -> list[str]:
+    """``target`` cut after each occurrence of a ``turn_stop`` string (kept in its turn), as a
+    generator stopping at those strings would end each turn; the rest is the last turn."""
+    turns: list[str] = []
+    rest = target
+    while rest:
+        ends = [rest.find(stop) + len(stop) for stop in turn_stop if stop and stop in rest]
+        end = min(ends) if ends else len(rest)
+        turns.append(rest[:end])
+        rest = rest[end:]
+    return turns
+
+
+class EpisodeTargets:
+    """The warm-start's sequences: ``prompt + target`` for a single-turn task; for a task naming
+    an environment, the target's turns (:func:`split_turns`) played against that environment
+    in this process (reset with the item, one step per turn), each reply tokenized on its own
+    and masked, as the episode runner builds an episode. A target the environment ends before
+    its last turn is refused naming ``target_template``."""
+
+    def __init__(self, config: RunConfig, tokenizer: object) -> None:
+        self._tokenizer = tokenizer
+        self._tasks = {
+            task.name: (index, task) for index, task in enumerate(config.tasks.definitions)
+        }
+        episodic = any(task.environment for task in config.tasks.definitions)
+        self._specs: dict[str, EnvironmentSpec] = (
+            resolve_environments(config.environments) if episodic else {}
+        )
+        env = config.environments
+        self._limits = Limits(env.max_tool_output_chars, env.max_state_bytes)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+    def tokens(self, item: PromptItem, seed: int) -> TargetTokens:
+        index, task = self._tasks[item.task]
+        if task.environment is None:
+            target = self._ids(item.target)
+            return TargetTokens(self._ids(item.prompt), target, [1] * len(target))
+        return self._episode(item, index, task, seed)
+
+    def _episode(self, item: PromptItem, index: int, task: TaskConfig, seed: int) -> TargetTokens:
+        field = f"tasks.definitions[{index}].target_template"
+        spec = self._specs[task.environment or ""]
+        start = reset_episode(spec, item.prompt, item.reference, item.metadata, seed, self._limits)
+        turns = split_turns(item.target, task.turn_stop)
+        completion: list[int] = []
+        mask: list[int] = []
+        state = start.state
+        for number, turn in enumerate(turns, start=1):
+            ids = self._ids(turn)
+            completion += ids
+            mask += [1] * len(ids)
+            reply = step_episode(state, turn, self._limits)
+            state = reply.state
+            if reply.done:
+                if number < len(turns):
+                    raise ConfigError(
+                        f"{field}: environment {task.environment!r} ended the episode of "
+                        f"{item.prompt!r} after turn {number} of the target's {len(turns)} "
+                        f"({turns!r}); write a target whose turns end at the task's turn_stop "
+                        f"{task.turn_stop!r} and whose last turn ends the episode"
+                    )
+                break
+            if reply.observation:
+                ids = self._ids(reply.observation)
+                completion += ids
+                mask += [0] * len(ids)
+        return TargetTokens(self._ids(item.prompt + start.observation), completion, mask)
+
+
 def warm_start(
     config: RunConfig,
     model_dir: Path,
@@ -80,17 +174,20 @@ def warm_start(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    targets = EpisodeTargets(config, tokenizer)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         items = source.next_prompts(batch_size)
-        prompts = [tokenizer(item.prompt, add_special_tokens=False)["input_ids"] for item in items]
-        targets = [tokenizer(item.target, add_special_tokens=False)["input_ids"] for item in items]
-        length = max(len(p) + len(t) for p, t in zip(prompts, targets, strict=True))
+        rows = [targets.tokens(item, seed + step * batch_size + i) for i, item in enumerate(items)]
+        length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
         input_ids = torch.full((len(items), length), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full_like(input_ids, -100)  # only target tokens are trained on
-        for row, (p, t) in enumerate(zip(prompts, targets, strict=True)):
-            input_ids[row, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
+        labels = torch.full_like(input_ids, -100)  # only trained target tokens have labels
+        for row, r in enumerate(rows):
+            start, end = len(r.prompt_ids), len(r.prompt_ids) + len(r.completion_ids)
+            input_ids[row, :end] = torch.tensor(r.prompt_ids + r.completion_ids)
+            labels[row, start:end] = torch.tensor(
+                [t if m else -100 for t, m in zip(r.completion_ids, r.mask, strict=True)]
+            )
         loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
         optimizer.zero_grad()
         loss.backward()

@@ -20,6 +20,12 @@ Figures of one evaluation (a record in ``/v1/evals``, ``summary.json``, the dash
 - ``reward_mean``: the mean reward of the validly scored prompts;
 - both per task in ``by_task``; ``score_errors`` counts prompts whose scoring failed (left out of
   both figures, as in training);
+- for a task played as episodes (it names an environment), whether the rise comes from the tool:
+  ``tool_call_rate`` (the share of scored episodes that made at least one tool call),
+  ``accuracy_with_tool`` and ``accuracy_without_tool`` (accuracy among the episodes with a tool
+  call and among those without; None when there are none), ``tool_calls`` and ``tool_errors``
+  (calls made and calls that failed), in ``tool_use`` and per task in ``by_task``; an evaluation
+  without episodes has no ``tool_use``;
 - ``step`` / ``policy_version``: after which step, and with which weights (step 0 = before the
   first step); ``when``: initial, periodic or final.
 
@@ -42,7 +48,7 @@ from podrl.config import ConfigError, RunConfig
 from podrl.config.loop import SamplingConfig
 from podrl.config.tasks import TasksConfig
 from podrl.controller.records.recorder import SampleLog
-from podrl.controller.step.batch import StepSamples, is_valid
+from podrl.controller.step.batch import StepSamples, is_valid, sample_id
 from podrl.controller.step_errors import StepFailedError
 from podrl.tasks import PromptItem, build_task_source
 from podrl.v1 import common_pb2, grader_pb2
@@ -89,11 +95,44 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+class _ToolUse:
+    """Tool-call counts of scored episodes: how many called a tool, and who passed."""
+
+    def __init__(self) -> None:
+        self.episodes = self.with_tool = self.passed_with = self.passed_without = 0
+        self.calls = self.errors = 0
+
+    def add(self, turns: list[dict[str, Any]], ok: bool) -> None:
+        calls = sum(turn["tool_calls"] for turn in turns)
+        self.episodes += 1
+        self.calls += calls
+        self.errors += sum(turn["tool_errors"] for turn in turns)
+        self.with_tool += calls > 0
+        self.passed_with += ok and calls > 0
+        self.passed_without += ok and not calls
+
+    def absorb(self, other: _ToolUse) -> None:
+        for key, value in vars(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+    def figures(self) -> dict[str, Any]:
+        without = self.episodes - self.with_tool
+        return {
+            "episodes": self.episodes,
+            "tool_call_rate": self.with_tool / self.episodes if self.episodes else None,
+            "accuracy_with_tool": self.passed_with / self.with_tool if self.with_tool else None,
+            "accuracy_without_tool": self.passed_without / without if without else None,
+            "tool_calls": self.calls,
+            "tool_errors": self.errors,
+        }
+
+
 def score_evaluation(data: StepSamples, thresholds: dict[str, float]) -> dict[str, Any]:
     """The figures of one evaluation from its (one-sample) groups and their scores. Pure."""
     by_task: dict[str, dict[str, Any]] = {}
     rewards: list[float] = []
     passed = errors = 0
+    tools: dict[str, _ToolUse] = {}
     for item, sample in data.all_samples():
         score = data.score_of(item.id, sample)
         task = by_task.setdefault(item.task, {"prompts": 0, "passed": 0, "rewards": []})
@@ -106,12 +145,24 @@ def score_evaluation(data: StepSamples, thresholds: dict[str, float]) -> dict[st
         task["rewards"].append(score.reward)
         task["passed"] += ok
         passed += ok
-    for task in by_task.values():
+        turns = data.turns.get(sample_id(item.id, sample.index))
+        if turns is not None:  # an episode: its environment's turns
+            tools.setdefault(item.task, _ToolUse()).add(turns, ok)
+    for name, task in by_task.items():
         scored = task.pop("rewards")
         task["scored"] = len(scored)
         task["reward_mean"] = _mean(scored)
         task["accuracy"] = task["passed"] / len(scored) if scored else None
+        if name in tools:
+            task["tool_use"] = tools[name].figures()
+    tool_use: dict[str, Any] = {}
+    if tools:
+        every = _ToolUse()
+        for part in tools.values():
+            every.absorb(part)
+        tool_use = {"tool_use": every.figures()}
     return {
+        **tool_use,
         "prompts": len(data.items),
         "scored": len(rewards),
         "passed": passed,
