@@ -90,6 +90,22 @@ LAYOUTS: dict[str, Layout] = {
             ("update ratio (mean)", "update_ratio_mean"),
         ),
     ),
+    "tool_use_demo": Layout(
+        rows=("runs",),
+        columns=(
+            *_MACHINE,
+            ("warm-start steps", "/warm_start/steps"),
+            ("seed", "seed"),
+            ("held-out before", "before/accuracy"),
+            ("after", "after/accuracy"),
+            ("tool-call rate before", "before/tool_call_rate"),
+            ("after", "after/tool_call_rate"),
+            ("accuracy with a call, after", "after/accuracy_with_tool"),
+            ("without a call, after", "after/accuracy_without_tool"),
+            ("steps trained", "steps_trained"),
+            ("loop wall s", "wall_seconds"),
+        ),
+    ),
     "cuda_grpo": Layout(
         rows=("runs",),
         columns=(
