@@ -49,7 +49,7 @@ demo: setup
 # then raises held-out accuracy, and the end table splits it by whether the episode called the
 # tool (docs/demo.md, "The tool-use demo").
 TOOL_USE_CONFIG ?= examples/tool_use.yaml
-TOOL_USE_WARM_START_STEPS ?= 60
+TOOL_USE_WARM_START_STEPS ?= 80
 TOOL_USE_WARM_START_LR ?= 1e-3
 demo-tool-use: setup
 	rm -rf runs/tool-use

@@ -68,7 +68,7 @@ def test_a_short_run_of_the_demo_plays_tool_calls_end_to_end(tmp_path: Path) -> 
     finally:
         cluster.stop(grace=30, controller_first=True)
     assert status["phase"] == "finished", status.get("error")
-    assert all(s["metrics"]["episodes"] == 4 * 8 for s in steps)
+    assert all(s["metrics"]["episodes"] == 4 * raw["loop"]["sampling"]["n"] for s in steps)
     assert sum(s["metrics"]["tool_calls"] for s in steps) > 0
     rows = [
         json.loads(line) for line in (config.run_dir / "samples.jsonl").read_text().splitlines()
