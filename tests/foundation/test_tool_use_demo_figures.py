@@ -1,0 +1,54 @@
+"""The tool-use demo's figures that README.md and docs/demo.md state are the committed run's of
+bench/tool_use_demo.py (bench/results/tool_use_demo.json): a page that states other figures
+fails here, so the claim cannot drift from the measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULT = json.loads((ROOT / "bench" / "results" / "tool_use_demo.json").read_text())
+
+
+def _text(name: str) -> str:
+    return " ".join((ROOT / name).read_text().split())
+
+
+def _range(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}\u2013{high}"
+
+
+def _seeds() -> str:
+    count = len(RESULT["runs"])
+    return "one seed" if count == 1 else f"{count} seeds"
+
+
+def claim() -> str:
+    """The sentence README.md and docs/demo.md state: held-out accuracy before and after RL."""
+    before = [run["before"]["accuracy"] for run in RESULT["runs"]]
+    after = [run["after"]["accuracy"] for run in RESULT["runs"]]
+    return f"held-out accuracy {_range(before)} → {_range(after)} ({_seeds()}"
+
+
+def test_readme_and_the_demo_page_state_the_committed_runs_accuracy() -> None:
+    for page in ("README.md", "docs/demo.md"):
+        assert claim() in _text(page), (page, claim())
+
+
+def test_the_demo_pages_table_has_each_runs_figures() -> None:
+    page = _text("docs/demo.md")
+    for run in RESULT["runs"]:
+        before, after = run["before"], run["after"]
+        cells = [
+            str(run["seed"]),
+            f"{before['accuracy']:.3f} → {after['accuracy']:.3f}",
+            f"{before['tool_call_rate']:.2f} → {after['tool_call_rate']:.2f}",
+            "—" if after["accuracy_with_tool"] is None else f"{after['accuracy_with_tool']:.3f}",
+            "—"
+            if after["accuracy_without_tool"] is None
+            else f"{after['accuracy_without_tool']:.3f}",
+        ]
+        row = "| " + " | ".join(cells) + " |"
+        assert row in page, row
