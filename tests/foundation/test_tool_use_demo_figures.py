@@ -1,14 +1,21 @@
-"""The tool-use demo's figures that README.md and docs/demo.md state are the committed run's of
-bench/tool_use_demo.py (bench/results/tool_use_demo.json): a page that states other figures
-fails here, so the claim cannot drift from the measurement."""
+"""The tool-use demo's figures that README.md and docs/demo.md state are the committed runs of
+bench/tool_use_demo.py (bench/results/tool_use_demo.json and its ``tool_use_demo_*.json``
+variants, one per invocation): a page that states other figures fails here, so the claim cannot
+drift from the measurement."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from bench.results_table import RESULTS, bench_files
+
 ROOT = Path(__file__).resolve().parents[2]
-RESULT = json.loads((ROOT / "bench" / "results" / "tool_use_demo.json").read_text())
+RUNS = [
+    run
+    for path in bench_files("tool_use_demo", RESULTS)
+    for run in json.loads(path.read_text())["runs"]
+]
 
 
 def _text(name: str) -> str:
@@ -21,14 +28,14 @@ def _range(values: list[float]) -> str:
 
 
 def _seeds() -> str:
-    count = len(RESULT["runs"])
+    count = len(RUNS)
     return "one seed" if count == 1 else f"{count} seeds"
 
 
 def claim() -> str:
     """The sentence README.md and docs/demo.md state: held-out accuracy before and after RL."""
-    before = [run["before"]["accuracy"] for run in RESULT["runs"]]
-    after = [run["after"]["accuracy"] for run in RESULT["runs"]]
+    before = [run["before"]["accuracy"] for run in RUNS]
+    after = [run["after"]["accuracy"] for run in RUNS]
     return f"held-out accuracy {_range(before)} → {_range(after)} ({_seeds()}"
 
 
@@ -39,7 +46,7 @@ def test_readme_and_the_demo_page_state_the_committed_runs_accuracy() -> None:
 
 def test_the_demo_pages_table_has_each_runs_figures() -> None:
     page = _text("docs/demo.md")
-    for run in RESULT["runs"]:
+    for run in RUNS:
         before, after = run["before"], run["after"]
         cells = [
             str(run["seed"]),
