@@ -610,6 +610,28 @@ def _samples_per_step(config: dict[str, Any]) -> int:
     return int(config["loop"]["prompts_per_step"] * config["loop"]["sampling"]["n"])
 
 
+def _run_trl_worker(
+    opts: Options, name: str, out: Path, spec: dict[str, Any]
+) -> tuple[int | str, dict[str, Any]]:
+    """One TRL run in its own process (``--trl-worker``, a one-rank torch.distributed world):
+    its exit code (or why it was cut off) and its result.json ({} when it failed)."""
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    with open(opts.work_dir / f"{name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.vs_trl_gpu", "--trl-worker", str(out / "spec.json")],
+                stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout, env=env,
+                cwd=ROOT,
+            )  # fmt: skip
+            exit_code: int | str = done.returncode
+        except subprocess.TimeoutExpired:
+            exit_code = f"timed out after {opts.run_timeout:.0f} s"
+    result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    return exit_code, result
+
+
 def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
     opts = shared.opts
     name = f"{opts.label}trl-{seed}"
@@ -626,21 +648,8 @@ def run_trl(shared: Shared, seed: int) -> dict[str, Any]:
         "prompts": training_prompts(shared.config),
         "kv_cache_bytes": int(opts.kv_cache_gib * (1 << 30)) if opts.device == "cuda" else 0,
     }
-    (out / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     start = time.time()
-    with open(opts.work_dir / f"{name}.log", "w") as log:
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.vs_trl_gpu", "--trl-worker", str(out / "spec.json")],
-                stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout, env=env,
-                cwd=ROOT,
-            )  # fmt: skip
-            exit_code: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            exit_code = f"timed out after {opts.run_timeout:.0f} s"
-    result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    exit_code, result = _run_trl_worker(opts, name, out, spec)
     zero_std = result.get("frac_reward_zero_std", [])
     model = out / "model"
     after = shared.evaluate(model) if (model / "config.json").is_file() else None
@@ -1066,21 +1075,8 @@ def run_speed_trl(
         if opts.device == "cuda"
         else 0,
     }
-    (out / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     start = time.time()
-    with open(opts.work_dir / f"{name}.log", "w") as log:
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.vs_trl_gpu", "--trl-worker", str(out / "spec.json")],
-                stdout=log, stderr=subprocess.STDOUT, timeout=opts.run_timeout, env=env,
-                cwd=ROOT,
-            )  # fmt: skip
-            exit_code: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            exit_code = f"timed out after {opts.run_timeout:.0f} s"
-    result = json.loads((out / "result.json").read_text()) if exit_code == 0 else {}
+    exit_code, result = _run_trl_worker(opts, name, out, spec)
     shutil.rmtree(out / "model", ignore_errors=True)
     ends = result.get("step_ends", [])
     return {
