@@ -15,12 +15,7 @@ set -uo pipefail
 started=$(date +%s)
 out=${OUT:-/tmp/speed-out}
 mkdir -p "$out"
-source bench/vllm_device_env.sh || exit 1
-if [ -d .trl-wheels ] && [ ! -d /tmp/trlsite/trl ]; then
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --target /tmp/trlsite \
-        .trl-wheels/*.whl || exit 1
-fi
-export PYTHONPATH="$PYTHONPATH:/tmp/trlsite"
+source bench/trl_device_env.sh || exit 1
 budget=${SPEED_BUDGET_S:-530}
 left() { echo $((budget - ($(date +%s) - started))); }
 part() {  # part NAME COMMAND...: run it within what is left of the budget

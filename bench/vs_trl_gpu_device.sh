@@ -10,12 +10,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/vs-trl-out}
 mkdir -p "$out"
-source bench/vllm_device_env.sh || exit 1
-if [ -d .trl-wheels ] && [ ! -d /tmp/trlsite/trl ]; then
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --target /tmp/trlsite \
-        .trl-wheels/*.whl || exit 1
-fi
-export PYTHONPATH="$PYTHONPATH:/tmp/trlsite"
+source bench/trl_device_env.sh || exit 1
 python3 -c "import vllm, torch, trl; print('vllm', vllm.__version__, 'torch', torch.__version__, 'trl', trl.__version__)"
 # The whole learning run by default: 3 seeds x {TRL, podrl in-flight, sync, async}, 6 at a time
 # (TRL's runs, the longest, start first), first starts 10 s apart; options given override these.
