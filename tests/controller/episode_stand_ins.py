@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from podrl.controller.rollout.episodes import EpisodeSettings
 from podrl.v1 import common_pb2, environment_pb2, generator_pb2
 
 TURNS = 3
@@ -92,3 +93,15 @@ class StandInEnvironment:
 
     def Close(self, request: Any, timeout: float) -> Any:
         return environment_pb2.CloseResponse(closed=True)
+
+
+def stand_in_settings() -> EpisodeSettings:
+    """Episode settings for the stand-ins: their environment, turns ending at ``</calc>``,
+    limits the stand-ins never reach."""
+    return EpisodeSettings(
+        environment="calc",
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+        turn_stop=["</calc>"],
+        max_episode_tokens=4096,
+        max_turns=8,
+    )

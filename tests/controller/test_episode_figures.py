@@ -19,26 +19,24 @@ from podrl.common.processes import free_port
 from podrl.controller.pods.table import PodTable
 from podrl.controller.records.recorder import RunStore
 from podrl.controller.rollout.episode_figures import EpisodeFigures, shown_text
-from podrl.controller.rollout.episodes import EpisodeOutcome, EpisodeRunner, EpisodeSettings, Turn
+from podrl.controller.rollout.episodes import EpisodeOutcome, EpisodeRunner, Turn
 from podrl.controller.service.main import build_loop
 from podrl.controller.service.rest import build_rest_app
 from podrl.controller.service.status import RunState
 from podrl.controller.step.pod_calls import WorkerClients
 from podrl.environments.episode import Episode
 from podrl.tasks import PromptItem, build_task_source
-from podrl.v1 import common_pb2
-from tests.controller.episode_stand_ins import TURNS, StandInEnvironment, StandInGenerator
+from tests.controller.episode_stand_ins import (
+    TURNS,
+    StandInEnvironment,
+    StandInGenerator,
+    stand_in_settings,
+)
 from tests.controller.fake_pod_loop import loop_config
 
 
 def _runner(environment: StandInEnvironment, figures: EpisodeFigures) -> EpisodeRunner:
-    settings = EpisodeSettings(
-        environment="calc",
-        sampling=common_pb2.SamplingParams(max_tokens=4),
-        turn_stop=["</calc>"],
-        max_episode_tokens=4096,
-        max_turns=8,
-    )
+    settings = stand_in_settings()
     return EpisodeRunner(StandInGenerator(), environment, settings, figures)  # type: ignore[arg-type]
 
 

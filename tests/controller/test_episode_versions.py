@@ -9,23 +9,20 @@ from __future__ import annotations
 from podrl.controller.rollout.episodes import (
     EpisodeOutcome,
     EpisodeRunner,
-    EpisodeSettings,
     episode_sample,
 )
 from podrl.controller.step.batch import StepSamples, group_version, split_stale
 from podrl.tasks import PromptItem
 from podrl.v1 import common_pb2
-from tests.controller.episode_stand_ins import StandInEnvironment, StandInGenerator
+from tests.controller.episode_stand_ins import (
+    StandInEnvironment,
+    StandInGenerator,
+    stand_in_settings,
+)
 
 
 def _play(versions: list[tuple[int, int]]) -> EpisodeOutcome:
-    settings = EpisodeSettings(
-        environment="calc",
-        sampling=common_pb2.SamplingParams(max_tokens=4),
-        turn_stop=["</calc>"],
-        max_episode_tokens=4096,
-        max_turns=8,
-    )
+    settings = stand_in_settings()
     runner = EpisodeRunner(StandInGenerator(versions), StandInEnvironment(), settings)  # type: ignore[arg-type]
     item = PromptItem(id="p", task="calc", prompt="Add:", reference="", target="")
     return runner.play(item, 0, "1:p#0")
