@@ -59,3 +59,14 @@ def test_the_demo_pages_table_has_each_runs_figures() -> None:
         ]
         row = "| " + " | ".join(cells) + " |"
         assert row in page, row
+
+
+def test_the_readmes_run_time_and_tool_use_are_the_committed_runs() -> None:
+    """README's "about N min each" is the runs' wall time, and "every episode calling the tool"
+    holds only while every run's held-out episodes after RL all called it."""
+    readme = _text("README.md")
+    minutes = {round(run["wall_seconds"] / 60) for run in RUNS}
+    assert len(minutes) == 1, minutes
+    assert f"about {minutes.pop()} min each" in readme
+    if "every episode calling the tool" in readme:
+        assert all(run["after"]["tool_call_rate"] == 1.0 for run in RUNS)
